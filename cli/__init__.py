@@ -1,0 +1,1 @@
+"""Command-line interface (click): parse, call the API, print. No model logic."""

@@ -1,0 +1,82 @@
+"""Matrix drivers over quantized rows: dense (rows x tokens) and grouped MoE (experts x rows x their tokens).
+
+Parallel over blocks of rows; for each row the tokens loop inside, so a row is read from memory once per call
+and stays in L1 while every token of the batch uses it (decode is the T=1 case of the same loop).
+Weights are uint8 rows in their GGUF layout, read in place from a memory map (GGUF or expert pack).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from strata_nb.cpu_kernels.qtypes import BF16, F16, F32
+from strata_nb.cpu_kernels.rowdot import dequant_row, dot_f32, dot_q8
+
+ROWS_PER_TASK = 16
+
+
+@njit(cache=True, parallel=True)
+def matmul_f32(qtype, w, x, out):
+    """out[t, r] = W[r] . x[t] on the float32 reference path. w u8[rows, row_bytes], x f32[T, K]."""
+    rows = w.shape[0]
+    ntok = x.shape[0]
+    ntask = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(ntask):
+        r1 = min(rows, (task + 1) * ROWS_PER_TASK)
+        for r in range(task * ROWS_PER_TASK, r1):
+            wr = w[r]
+            for t in range(ntok):
+                out[t, r] = dot_f32(qtype, wr, x[t])
+
+
+@njit(cache=True, parallel=True)
+def matmul_q8(qtype, w, x, xq, xd, xs, out):
+    """Fast path: int8 activations (actq layout); float weight types use x directly."""
+    rows = w.shape[0]
+    ntok = xq.shape[0]
+    ntask = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    isfloat = qtype == F32 or qtype == F16 or qtype == BF16
+    for task in prange(ntask):
+        r1 = min(rows, (task + 1) * ROWS_PER_TASK)
+        for r in range(task * ROWS_PER_TASK, r1):
+            wr = w[r]
+            for t in range(ntok):
+                if isfloat:
+                    out[t, r] = dot_f32(qtype, wr, x[t])
+                else:
+                    out[t, r] = dot_q8(qtype, wr, xq[t], xd[t], xs[t])
+
+
+@njit(cache=True, parallel=True)
+def moe_matmul(fast, qtype, buf, base, nrows, row_bytes, grp_start, tok_idx, x, xq, xd, xs, out):
+    """Grouped expert matmul for all selected experts of a layer in one parallel region.
+
+    buf u8[:]          the memory map holding the experts (whole GGUF file or expert pack)
+    base i64[G]        byte offset in buf of group g's expert matrix (nrows rows of row_bytes)
+    grp_start i64[G+1] group g owns entries grp_start[g]:grp_start[g+1] of tok_idx and rows of out
+    tok_idx i64[N]     which row of x (xq/xd/xs) each entry reads
+    out f32[N, nrows]  one output row per entry
+    """
+    ngrp = base.shape[0]
+    nblk = (nrows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    isfloat = qtype == F32 or qtype == F16 or qtype == BF16
+    for task in prange(ngrp * nblk):
+        g = task // nblk
+        blk = task - g * nblk
+        r1 = min(nrows, (blk + 1) * ROWS_PER_TASK)
+        for r in range(blk * ROWS_PER_TASK, r1):
+            o = base[g] + r * row_bytes
+            wr = buf[o:o + row_bytes]
+            for j in range(grp_start[g], grp_start[g + 1]):
+                t = tok_idx[j]
+                if fast and not isfloat:
+                    out[j, r] = dot_q8(qtype, wr, xq[t], xd[t], xs[t])
+                else:
+                    out[j, r] = dot_f32(qtype, wr, x[t])
+
+
+@njit(cache=True, parallel=True)
+def dequant_rows(qtype, w, rows, out):
+    """out[i] = dequant(W[rows[i]]): embedding lookup from a (possibly quantized) table."""
+    for i in prange(rows.shape[0]):
+        dequant_row(qtype, w[rows[i]], out[i])
