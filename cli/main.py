@@ -1,0 +1,189 @@
+"""strata-nb command line: parse options, call the API, print. No model logic lives here."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from strata_nb.errors import StrataError
+
+
+def _fail(msg: str, code: int = 1) -> None:
+    click.echo(f"strata-nb: error: {msg}", err=True)
+    sys.exit(code)
+
+
+class _Group(click.Group):
+    """Every user-facing error becomes one line on stderr and a non-zero exit, never a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except StrataError as e:
+            _fail(str(e))
+        except KeyboardInterrupt:
+            _fail("interrupted", 130)
+        except MemoryError:
+            _fail("out of memory (try a smaller --ctx or a smaller model)")
+        except OSError as e:
+            _fail(f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e))
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
+            raise
+        except Exception as e:  # a bug: still one line, the traceback on request
+            if os.environ.get("STRATA_NB_DEBUG"):
+                raise
+            _fail(f"internal error: {type(e).__name__}: {e} (set STRATA_NB_DEBUG=1 for a traceback)", 2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="strata-nb")
+def main() -> None:
+    """Run Mixture-of-Experts language models from GGUF files on ordinary machines."""
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+# ---------------------------------------------------------------------------------------------- generate
+def _sampling_options(f):
+    opts = [
+        click.option("--temp", "temperature", type=float, default=0.0, show_default=True,
+                     help="Sampling temperature; 0 is greedy."),
+        click.option("--top-k", type=int, default=40, show_default=True),
+        click.option("--top-p", type=float, default=0.95, show_default=True),
+        click.option("--min-p", type=float, default=0.05, show_default=True),
+        click.option("--repeat-penalty", type=float, default=1.0, show_default=True),
+        click.option("--repeat-last-n", type=int, default=64, show_default=True),
+        click.option("--seed", type=int, default=None, help="Seed for sampling: the same seed, the same text."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _parse_token_list(s: str) -> list[int]:
+    try:
+        return [int(t) for t in s.replace(",", " ").split()]
+    except ValueError:
+        raise StrataError(f"--tokens must be integers separated by commas or spaces, got {s!r}") from None
+
+
+@main.command()
+@click.option("-m", "--model", required=True, type=click.Path(dir_okay=False), help="GGUF model file.")
+@click.option("-p", "--prompt", default=None, help="Prompt text.")
+@click.option("--prompt-file", type=click.Path(dir_okay=False), default=None, help="Read the prompt from a file.")
+@click.option("--tokens", default=None, help="Prompt as token ids (comma or space separated).")
+@click.option("--chat", is_flag=True, help="Render the prompt with the model's chat template.")
+@click.option("--system", default=None, help="System prompt (with --chat).")
+@click.option("-n", "--n-predict", type=int, default=128, show_default=True, help="Tokens to generate.")
+@click.option("--ctx", type=int, default=4096, show_default=True, help="Context length (KV cache size).")
+@click.option("--threads", type=int, default=None, help="CPU threads (default: all cores).")
+@click.option("--pack", default=None, type=click.Path(), help="Expert pack (default: one beside the GGUF, if any).")
+@click.option("--kernels", type=click.Choice(["fast", "reference"]), default="fast", show_default=True,
+              help="fast: int8 activations; reference: float32 activations (the accuracy reference).")
+@_sampling_options
+@click.option("--dump-logits", type=click.Path(dir_okay=False), default=None,
+              help="Save float32 [positions, vocab] logits of every prompt and generated position (.npy).")
+@click.option("--stats", is_flag=True, help="Print timing and bandwidth statistics to stderr.")
+def generate(model, prompt, prompt_file, tokens, chat, system, n_predict, ctx, threads, pack, kernels,
+             temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, dump_logits, stats):
+    """Generate text from a prompt."""
+    from strata_nb.cli.run import run_generate
+
+    sources = [s for s in (prompt, prompt_file, tokens) if s is not None]
+    if len(sources) != 1:
+        raise StrataError("give exactly one of -p/--prompt, --prompt-file, --tokens")
+    if tokens is not None and chat:
+        raise StrataError("--chat needs text (-p or --prompt-file), not --tokens")
+    if n_predict < 0:
+        raise StrataError(f"-n must be >= 0, got {n_predict}")
+    if prompt_file is not None:
+        try:
+            prompt = Path(prompt_file).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise StrataError(f"prompt file not found: {prompt_file}") from None
+    from strata_nb.runtime.sampler import SamplerConfig
+
+    sampler = SamplerConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+    run_generate(model=model, prompt=prompt, token_ids=_parse_token_list(tokens) if tokens is not None else None,
+                 chat=chat, system=system, n_predict=n_predict, ctx=ctx, threads=threads, pack=pack,
+                 fast=kernels == "fast", sampler=sampler, dump_logits=dump_logits, stats=stats)
+
+
+# -------------------------------------------------------------------------------------------------- info
+@main.command()
+@click.option("-m", "--model", required=True, type=click.Path(dir_okay=False))
+@click.option("--ctx", type=int, default=4096, show_default=True, help="Context length for the memory estimate.")
+def info(model, ctx):
+    """Architecture, dimensions, quant mix and the memory a run needs."""
+    from strata_nb.cli.run import run_info
+
+    run_info(model, ctx)
+
+
+# -------------------------------------------------------------------------------------------------- pack
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", default=None, type=click.Path(), help="Pack file (default: beside the GGUF).")
+@click.option("--verify", is_flag=True, help="Check an existing pack against the GGUF (full hash) instead.")
+def pack(model, output, verify):
+    """Write the per-expert blob pack of a MoE GGUF (4 KiB aligned, bound to its GGUF)."""
+    from strata_nb.cli.run import run_pack
+
+    run_pack(model, output, verify)
+
+
+# ------------------------------------------------------------------------------------------------- synth
+@main.command()
+@click.option("--preset", default="tiny", show_default=True,
+              help="tiny, qwen3-30b-a3b, qwen3-235b-a22b, olmoe-1b-7b, mixtral-8x7b")
+@click.option("--arch", default=None, help="Architecture for the tiny preset (qwen3moe, qwen2moe, llama, ...).")
+@click.option("--layers", type=int, default=None, help="Keep only the first N layers.")
+@click.option("--quant", default="Q4_K_M", show_default=True, help="Q4_K_M or one type: Q8_0, BF16, Q4_K, ...")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
+def synth(preset, arch, layers, quant, seed, output):
+    """Write a random-weight GGUF with real shapes (for tests and benchmarks)."""
+    from strata_nb.cli.run import run_synth
+
+    run_synth(preset, arch, layers, quant, seed, output)
+
+
+# ------------------------------------------------------------------------------------------------- bench
+@main.command()
+@click.option("-m", "--model", required=True, type=click.Path(dir_okay=False))
+@click.option("-p", "--n-prompt", type=int, default=128, show_default=True)
+@click.option("-n", "--n-gen", type=int, default=64, show_default=True)
+@click.option("--threads", type=int, default=None)
+@click.option("--reps", type=int, default=3, show_default=True)
+@click.option("--llama-cpp/--no-llama-cpp", default=True, show_default=True,
+              help="Also run llama.cpp (llama-cpp-python) on the same file, interleaved.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the markdown table here.")
+def bench(model, n_prompt, n_gen, threads, reps, llama_cpp, out):
+    """Prompt and decode speed, side by side with llama.cpp, medians of interleaved repetitions."""
+    from strata_nb.bench import run_bench
+
+    run_bench(model, n_prompt=n_prompt, n_gen=n_gen, threads=threads, reps=reps, with_llama_cpp=llama_cpp,
+              out=out)
+
+
+# -------------------------------------------------------------------------------------------------- demo
+@main.command()
+@click.option("-m", "--model", default=None, type=click.Path(dir_okay=False),
+              help="A GGUF to run (default: a small synthetic MoE written once to the user cache).")
+@click.option("-p", "--prompt", default="The quick brown fox", show_default=True)
+@click.option("-n", "--n-predict", type=int, default=48, show_default=True)
+@click.option("--threads", type=int, default=None)
+def demo(model, prompt, n_predict, threads):
+    """The main job on an embedded default: generate with --stats from a small synthetic MoE."""
+    from strata_nb.cli.run import run_demo
+
+    run_demo(model, prompt, n_predict, threads)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""What each command does once its options are parsed: call the API and print."""
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import click
+import numpy as np
+
+from strata_nb.errors import StrataError
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _progress(label: str, total: int):
+    """A click progress bar driven by (done, total) callbacks."""
+    bar = click.progressbar(length=total, label=label, file=sys.stderr, show_pos=False, show_percent=True,
+                            show_eta=True)
+    state = {"done": 0}
+
+    def update(done: int, _total: int) -> None:
+        bar.update(done - state["done"])
+        state["done"] = done
+
+    return bar, update
+
+
+def _save_npy_atomic(path: str, arr: np.ndarray) -> None:
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, arr)
+    os.replace(tmp, p)
+
+
+def run_generate(*, model, prompt, token_ids, chat, system, n_predict, ctx, threads, pack, fast, sampler,
+                 dump_logits, stats, banner: str | None = None) -> None:
+    from strata_nb.api import load
+    from strata_nb.model.chat import render_chat
+    from strata_nb.model.tokenizer import StreamDecoder
+    from strata_nb.runtime.sampler import Sampler
+
+    Sampler(sampler, 2)  # validate the sampling options before the (slow) load
+    if ctx <= 0:
+        raise StrataError(f"--ctx must be positive, got {ctx}")
+    eng = load(model, pack=pack, n_ctx=ctx, threads=threads, fast=fast)
+    tok = eng.tokenizer
+    if token_ids is None:
+        if not prompt:
+            raise StrataError("empty prompt: nothing to run")
+        text = prompt
+        if chat:
+            template = eng.gguf.get("tokenizer.chat_template")
+            if not template:
+                raise StrataError(f"{Path(model).name} has no tokenizer.chat_template; drop --chat")
+            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            text = render_chat(template, msgs, add_generation_prompt=True, bos_token=tok.bos_text,
+                               eos_token=tok.eos_text)
+        token_ids = tok.encode(text, add_special=True, parse_special=chat)
+    toks = eng.check_tokens(token_ids)
+    if len(toks) + n_predict > ctx:
+        raise StrataError(f"prompt ({len(toks)} tokens) + -n {n_predict} exceed the context (--ctx {ctx})")
+    if banner:
+        click.echo(banner, err=True)
+    dec = StreamDecoder(tok)
+    stop = set(tok.eog_ids)
+    out = click.get_text_stream("stdout")
+
+    def on_token(t: int) -> None:
+        if t in stop:
+            return
+        piece = dec.push(t)
+        if piece:
+            out.write(piece)
+            out.flush()
+
+    res = eng.generate(toks, n_predict, sampler, on_token=on_token, keep_logits=dump_logits is not None)
+    out.write(dec.flush() + "\n")
+    out.flush()
+    if dump_logits:
+        _save_npy_atomic(dump_logits, np.concatenate(res.logits, axis=0).astype(np.float32))
+    if stats:
+        print_stats(eng, res)
+
+
+def print_stats(eng, res) -> None:
+    e = click.echo
+    e(f"load            {eng.load_s * 1000:8.1f} ms   ({eng.threads} threads, "
+      f"{'fast int8' if eng.backend.fast else 'reference float32'} kernels)", err=True)
+    e(f"prompt          {res.prompt_tokens:5d} tokens in {res.prompt_s * 1000:8.1f} ms = {res.prompt_tps:8.2f} tok/s",
+      err=True)
+    if res.decode_steps:
+        bpt = res.bytes_per_token
+        e(f"decode          {res.decode_steps:5d} tokens in {res.decode_s * 1000:8.1f} ms = {res.decode_tps:8.2f} tok/s"
+          f" (wall clock over whole tokens)", err=True)
+        e(f"weights/token   {_gb(bpt)} read ({_gb(res.expert_bytes / res.decode_steps)} routed experts, "
+          f"{_gb(res.dense_bytes / res.decode_steps)} dense) -> {bpt * res.decode_tps / 1e9:.2f} GB/s", err=True)
+        other = res.decode_s - res.expert_s
+        e(f"decode time     expert FFNs {res.expert_s * 1000:8.1f} ms ({100 * res.expert_s / res.decode_s:4.1f}%), "
+          f"rest {other * 1000:8.1f} ms ({100 * other / res.decode_s:4.1f}%)", err=True)
+    e(f"stopped by      {res.stopped_by} after {len(res.tokens)} generated tokens", err=True)
+
+
+def run_info(model: str, ctx: int) -> None:
+    from strata_nb.api import memory_needs, open_model
+    from strata_nb.cpu_kernels import qtypes
+
+    g, s = open_model(model)
+    e = click.echo
+    e(f"file            {g.path} ({_gb(g.size)})")
+    e(f"architecture    {s.arch}" + (f" (MoE: {s.n_expert} experts, top-{s.n_expert_used}, expert ffn {s.n_ff_exp}"
+                                      f"{', shared expert' if s.shared_expert else ''}"
+                                      f"{', gated' if s.shared_expert_gate else ''}"
+                                      f"{', renormalized' if s.expert_norm else ''})" if s.is_moe else " (dense)"))
+    e(f"layers          {s.n_layer}, embedding {s.n_embd}, vocab {s.n_vocab}, trained context {s.n_ctx_train}")
+    e(f"attention       {s.n_head} heads, {s.n_head_kv} kv heads, head dim {s.head_dim}, qk-norm {s.qk_norm}, "
+      f"qkv bias {'yes' if s.qkv_bias else 'no'}")
+    r = s.rope
+    e(f"rope            {r.style}, {r.n_rot} dims, base {r.base:g}, scaling {r.scaling}"
+      + (f" x{1 / r.freq_scale:g} (orig ctx {r.n_ctx_orig})" if r.scaling != "none" else ""))
+    if not s.is_moe:
+        e(f"ffn             {s.n_ff}")
+    mix_n: Counter = Counter()
+    mix_b: Counter = Counter()
+    for t in g.tensors.values():
+        mix_n[t.qtype] += 1
+        mix_b[t.qtype] += t.nbytes
+    e("quant mix       " + ", ".join(f"{qtypes.name(q)} x{mix_n[q]} ({_gb(mix_b[q])})"
+                                     for q in sorted(mix_b, key=lambda q: -mix_b[q])))
+    m = memory_needs(g, s, ctx)
+    e(f"weights         dense {_gb(m.dense_bytes)}, routed experts {_gb(m.expert_bytes)}")
+    if s.is_moe:
+        per = m.expert_bytes / (s.n_expert * sum(s.moe_layers)) * s.n_expert_used * sum(s.moe_layers)
+        e(f"per token       {_gb(m.dense_bytes)} dense + {_gb(per)} of experts read (top-{s.n_expert_used})")
+    e(f"memory for run  {_gb(m.total)} (weights mapped from the file + KV cache {_gb(m.kv_bytes)} at --ctx {ctx})")
+
+
+def run_pack(model: str, output: str | None, verify: bool) -> None:
+    from strata_nb.experts import pack as packmod
+
+    if verify:
+        packmod.verify_pack(model, output)
+        click.echo(f"pack matches {model}")
+        return
+    bar, update = None, None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar, update
+        if bar is None:
+            bar, update = _progress("packing experts", total)
+        update(done, total)
+
+    path = packmod.write_pack(model, output, progress=progress)
+    if bar is not None:
+        bar.render_finish()
+    click.echo(f"wrote {path} ({_gb(Path(path).stat().st_size)})")
+
+
+def run_synth(preset, arch, layers, quant, seed, output) -> None:
+    from strata_nb.synth import write_synthetic
+
+    bar, update = None, None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar, update
+        if bar is None:
+            bar, update = _progress("writing tensors", total)
+        update(done, total)
+
+    summary = write_synthetic(output, preset, arch=arch, layers=layers, quant=quant, seed=seed, progress=progress)
+    if bar is not None:
+        bar.render_finish()
+    size = Path(output).stat().st_size
+    click.echo(f"wrote {output} ({_gb(size)}): {summary.get('arch', '')} preset {preset}, {quant}, random weights")
+
+
+def demo_model_path() -> Path:
+    from strata_nb._numba_env import cache_root
+
+    return cache_root() / "demo" / "demo-qwen3moe-q4km.gguf"
+
+
+def run_demo(model, prompt, n_predict, threads) -> None:
+    from strata_nb.runtime.sampler import SamplerConfig
+
+    banner = None
+    if model is None:
+        path = demo_model_path()
+        if not path.exists():
+            from strata_nb.synth import write_synthetic
+
+            path.parent.mkdir(parents=True, exist_ok=True)
+            click.echo(f"writing a small synthetic MoE (qwen3moe shapes, Q4_K_M) to {path} ...", err=True)
+            write_synthetic(path, "demo", quant="Q4_K_M", seed=0)
+        model = str(path)
+        banner = ("demo: this model has RANDOM weights (a synthetic qwen3moe written by `strata-nb synth`);"
+                  " the text is meaningless, the speed is real. Use -m MODEL.gguf for a real model.")
+    run_generate(model=model, prompt=prompt, token_ids=None, chat=False, system=None, n_predict=n_predict,
+                 ctx=max(512, n_predict + 256), threads=threads, pack=None, fast=True, sampler=SamplerConfig(),
+                 dump_logits=None, stats=True, banner=banner)

@@ -1,0 +1,149 @@
+"""Elementwise and attention kernels on float32 arrays: norms, rope, attention, activations, routing."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def rmsnorm(x, w, eps, out):
+    """out[t] = x[t] / rms(x[t]) * w over the last axis; x f32[N, D] (rows may be heads)."""
+    n, d = x.shape
+    for t in prange(n):
+        ss = np.float32(0.0)
+        for i in range(d):
+            ss += x[t, i] * x[t, i]
+        inv = np.float32(1.0) / np.float32(math.sqrt(ss / d + eps))
+        for i in range(d):
+            out[t, i] = x[t, i] * inv * w[i]
+
+
+@njit(cache=True)
+def rope_tables(positions, n_rot, base, freq_scale, ext_factor, attn_factor, corr_lo, corr_hi, freq_factors):
+    """cos/sin f32[T, n_rot/2] as ggml's rope_yarn computes them (plain rope when ext_factor == 0)."""
+    half = n_rot // 2
+    cos = np.empty((positions.shape[0], half), np.float32)
+    sin = np.empty((positions.shape[0], half), np.float32)
+    theta_scale = base ** (-2.0 / n_rot)
+    for t in range(positions.shape[0]):
+        for i in range(half):
+            theta_extrap = positions[t] * theta_scale ** i / freq_factors[i]
+            theta = freq_scale * theta_extrap
+            mscale = attn_factor
+            if ext_factor != 0.0:
+                y = (i - corr_lo) / max(0.001, corr_hi - corr_lo)
+                ramp = (1.0 - min(1.0, max(0.0, y))) * ext_factor
+                theta = theta * (1.0 - ramp) + theta_extrap * ramp
+                mscale *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
+            cos[t, i] = math.cos(theta) * mscale
+            sin[t, i] = math.sin(theta) * mscale
+    return cos, sin
+
+
+@njit(cache=True, parallel=True)
+def rope_apply(x, cos, sin, neox):
+    """Rotate x f32[T, H, head_dim] in place over its first n_rot = 2*cos.shape[1] dims of each head."""
+    ntok, nh, _ = x.shape
+    half = cos.shape[1]
+    for t in prange(ntok):
+        for h in range(nh):
+            for i in range(half):
+                if neox:
+                    a = i
+                    b = i + half
+                else:
+                    a = 2 * i
+                    b = 2 * i + 1
+                x0 = x[t, h, a]
+                x1 = x[t, h, b]
+                x[t, h, a] = x0 * cos[t, i] - x1 * sin[t, i]
+                x[t, h, b] = x0 * sin[t, i] + x1 * cos[t, i]
+
+
+@njit(cache=True)
+def kv_write(kc, vc, k, v, pos0):
+    """Append k, v f32[T, Hkv, hd] at positions pos0.. of caches f32[Hkv, ctx, hd]."""
+    for t in range(k.shape[0]):
+        for h in range(k.shape[1]):
+            kc[h, pos0 + t, :] = k[t, h, :]
+            vc[h, pos0 + t, :] = v[t, h, :]
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def attention(q, kc, vc, pos0, scale, out):
+    """Causal GQA attention: token t (position pos0+t) of q f32[T, H, hd] sees cache positions 0..pos0+t.
+
+    out f32[T, H, hd]. Query heads map to KV heads in contiguous groups of H / Hkv (llama.cpp and HF order).
+    """
+    ntok, nh, hd = q.shape
+    group = nh // kc.shape[0]
+    for task in prange(ntok * nh):
+        t = task // nh
+        h = task - t * nh
+        kvh = h // group
+        n = pos0 + t + 1
+        s = np.empty(n, np.float32)
+        m = np.float32(-np.inf)
+        for j in range(n):
+            acc = np.float32(0.0)
+            for i in range(hd):
+                acc += q[t, h, i] * kc[kvh, j, i]
+            acc *= scale
+            s[j] = acc
+            if acc > m:
+                m = acc
+        tot = np.float32(0.0)
+        for j in range(n):
+            e = np.float32(math.exp(s[j] - m))
+            s[j] = e
+            tot += e
+        inv = np.float32(1.0) / tot
+        for i in range(hd):
+            out[t, h, i] = 0.0
+        for j in range(n):
+            p = s[j] * inv
+            for i in range(hd):
+                out[t, h, i] += p * vc[kvh, j, i]
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def silu_mul(g, u, out):
+    """out = silu(g) * u elementwise over f32[N, F] (SwiGLU)."""
+    n, f = g.shape
+    for t in prange(n):
+        for i in range(f):
+            x = g[t, i]
+            out[t, i] = x / (np.float32(1.0) + np.float32(math.exp(-x))) * u[t, i]
+
+
+@njit(cache=True)
+def route_softmax_topk(logits, k, renorm, scale, ids, weights):
+    """Softmax over experts, keep the top k (ties to the lower id), optionally renormalize, then scale.
+
+    logits f32[T, E] -> ids i64[T, k], weights f32[T, k] (in descending weight order).
+    """
+    ntok, ne = logits.shape
+    p = np.empty(ne, np.float32)
+    for t in range(ntok):
+        m = logits[t, 0]
+        for e in range(1, ne):
+            if logits[t, e] > m:
+                m = logits[t, e]
+        tot = np.float32(0.0)
+        for e in range(ne):
+            p[e] = np.float32(math.exp(logits[t, e] - m))
+            tot += p[e]
+        for e in range(ne):
+            p[e] /= tot
+        order = np.argsort(-p, kind="mergesort")
+        wsum = np.float32(0.0)
+        for j in range(k):
+            ids[t, j] = order[j]
+            weights[t, j] = p[order[j]]
+            wsum += weights[t, j]
+        for j in range(k):
+            if renorm:
+                weights[t, j] /= wsum
+            weights[t, j] *= scale

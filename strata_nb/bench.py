@@ -1,0 +1,176 @@
+"""`strata-nb bench`: strata-nb and llama.cpp on the same GGUF, interleaved repetitions, medians.
+
+llama.cpp runs through llama-cpp-python's low-level API with its extra CPU buffer types off (they crash on the
+development VMs; see shared/reference/oracles.md), the same thread count and the same prompt tokens.
+"""
+from __future__ import annotations
+
+import ctypes
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from strata_nb.errors import StrataError
+
+
+@dataclass
+class RunTimes:
+    prompt_s: float
+    decode_s: float
+    decode_steps: int
+    bytes_per_token: float = float("nan")
+
+    @property
+    def prompt_tps(self) -> float:
+        return float("nan") if self.prompt_s <= 0 else self._n_prompt / self.prompt_s
+
+    _n_prompt: int = 0
+
+
+class StrataRunner:
+    name = "strata-nb"
+
+    def __init__(self, model: str, threads: int | None, n_ctx: int):
+        from strata_nb.api import load
+
+        self.engine = load(model, n_ctx=n_ctx, threads=threads)
+
+    def run(self, prompt: list[int], n_gen: int) -> RunTimes:
+        from strata_nb.runtime.sampler import SamplerConfig
+
+        res = self.engine.generate(prompt, n_gen, SamplerConfig(temperature=0.0))
+        # A run that stops early (an end-of-generation id) would flatter nobody: decode stays per step.
+        return RunTimes(res.prompt_s, res.decode_s, res.decode_steps, res.bytes_per_token, len(prompt))
+
+
+class LlamaCppRunner:
+    name = "llama.cpp"
+
+    def __init__(self, model: str, threads: int, n_ctx: int, n_batch: int):
+        try:
+            import llama_cpp as L
+        except ImportError:
+            raise StrataError("llama-cpp-python is not installed (pip install llama-cpp-python)") from None
+        self.L = L
+        L.llama_backend_init()
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        if hasattr(mp, "use_extra_bufts"):
+            mp.use_extra_bufts = False
+        self.model = L.llama_model_load_from_file(model.encode(), mp)
+        if not self.model:
+            raise StrataError(f"llama.cpp could not load {model}")
+        cp = L.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = n_batch
+        cp.n_ubatch = n_batch
+        cp.n_threads = threads
+        cp.n_threads_batch = threads
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise StrataError("llama.cpp could not create a context")
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.batch = L.llama_batch_init(n_batch, 0, 1)
+
+    def _decode(self, tokens: list[int], pos0: int) -> np.ndarray:
+        b = self.batch
+        b.n_tokens = len(tokens)
+        for i, t in enumerate(tokens):
+            b.token[i] = t
+            b.pos[i] = pos0 + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = i == len(tokens) - 1
+        if self.L.llama_decode(self.ctx, b) != 0:
+            raise StrataError("llama_decode failed")
+        ptr = self.L.llama_get_logits_ith(self.ctx, -1)
+        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
+
+    def run(self, prompt: list[int], n_gen: int) -> RunTimes:
+        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
+        t0 = time.perf_counter()
+        logits = self._decode(prompt, 0)
+        tok = int(np.argmax(logits))
+        prompt_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        steps = 0
+        for i in range(n_gen - 1):
+            logits = self._decode([tok], len(prompt) + i)
+            tok = int(np.argmax(logits))
+            steps += 1
+        return RunTimes(prompt_s, time.perf_counter() - t1, steps, float("nan"), len(prompt))
+
+    def close(self) -> None:
+        self.L.llama_batch_free(self.batch)
+        self.L.llama_free(self.ctx)
+        self.L.llama_model_free(self.model)
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def run_bench(model: str, *, n_prompt: int = 128, n_gen: int = 64, threads: int | None = None, reps: int = 3,
+              with_llama_cpp: bool = True, out: str | None = None, title: str | None = None) -> str:
+    """Interleave strata-nb and llama.cpp repetitions on one file; print (and optionally write) a markdown table."""
+    import click
+
+    from strata_nb.cpu_kernels.membw import read_bandwidth
+
+    n_ctx = n_prompt + n_gen + 8
+    ours = StrataRunner(model, threads, n_ctx)
+    threads = ours.engine.threads
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(0, ours.engine.spec.n_vocab, n_prompt)]
+    runners = [ours]
+    if with_llama_cpp:
+        runners.append(LlamaCppRunner(model, threads, n_ctx, n_prompt))
+    click.echo(f"warming up ({', '.join(r.name for r in runners)}) ...", err=True)
+    for r in runners:  # compile / first-touch the mapping outside the timed repetitions
+        r.run(prompt[:8], 2)
+    times: dict[str, list[RunTimes]] = {r.name: [] for r in runners}
+    for i in range(reps):
+        for r in runners:
+            times[r.name].append(r.run(prompt, n_gen))
+            t = times[r.name][-1]
+            click.echo(f"rep {i + 1}/{reps} {r.name:10s} prompt {n_prompt / t.prompt_s:8.2f} tok/s   decode "
+                       f"{t.decode_steps / t.decode_s:8.2f} tok/s", err=True)
+    bw = read_bandwidth()
+    bpt = _median([t.bytes_per_token for t in times["strata-nb"]])
+    rows = []
+    med = {}
+    for name, ts in times.items():
+        pp = _median([n_prompt / t.prompt_s for t in ts])
+        tg = _median([t.decode_steps / t.decode_s for t in ts])
+        med[name] = (pp, tg)
+        gbs = bpt * tg / 1e9
+        rows.append(f"| {name} | {pp:.2f} | {tg:.2f} | {bpt / 1e6:.1f} | {gbs:.2f} | {100 * gbs / bw:.0f}% |")
+    lines = [
+        f"## {title or 'strata-nb vs llama.cpp'}",
+        "",
+        f"model `{model}`; {threads} threads; prompt {n_prompt} tokens, {n_gen} generated (greedy); "
+        f"{reps} interleaved repetitions, medians; measured read bandwidth {bw:.1f} GB/s; "
+        f"{platform.processor() or platform.machine()}, python {sys.version.split()[0]}",
+        "",
+        "| engine | prompt tok/s | decode tok/s | MB read/token | achieved GB/s | of bandwidth |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ]
+    if with_llama_cpp:
+        (pp0, tg0), (pp1, tg1) = med["strata-nb"], med["llama.cpp"]
+        lines += ["", f"ratios strata-nb / llama.cpp: decode {tg0 / tg1:.2f}x, prompt {pp0 / pp1:.2f}x",
+                  "llama.cpp: llama-cpp-python low-level API, CPU only, use_extra_bufts=False "
+                  "(the repacking buffer types crash on these VMs)."]
+        runners[1].close()
+    table = "\n".join(lines) + "\n"
+    click.echo(table)
+    if out:
+        from pathlib import Path
+
+        Path(out).write_text(table)
+    return table

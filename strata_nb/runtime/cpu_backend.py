@@ -1,0 +1,187 @@
+"""The forward pass on the CPU: one layer function for every architecture, branching on ModelSpec fields.
+
+Prompts run as batches (matrix-matrix over all prompt tokens), decode as the one-token case of the same code.
+Weights stay in their GGUF quant layout in the memory map; experts come from an ExpertSource (GGUF or pack).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from strata_nb.cpu_kernels import actq, ops
+from strata_nb.cpu_kernels.matmul import dequant_rows, matmul_f32, matmul_q8, moe_matmul
+from strata_nb.experts.source import ExpertSource
+from strata_nb.model.spec import ModelSpec
+from strata_nb.model.weights import LayerWeights, Linear, ModelWeights
+from strata_nb.runtime.session import Session
+
+
+@dataclass
+class ForwardStats:
+    """Accumulated over forward calls; expert_s + other_s is the wall time of the forwards."""
+
+    expert_s: float = 0.0
+    other_s: float = 0.0
+    expert_bytes: int = 0
+    dense_bytes: int = 0
+    calls: int = 0
+    tokens: int = 0
+    expert_hits: dict = field(default_factory=dict)
+
+
+class Activation:
+    """A float32 activation [T, K] with its int8 quantization made once and shared by every consumer."""
+
+    __slots__ = ("x", "_q")
+
+    def __init__(self, x: np.ndarray):
+        self.x = x
+        self._q = None
+
+    def q(self):
+        if self._q is None:
+            self._q = actq.quantize(self.x)
+        return self._q
+
+
+class CPUBackend:
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, experts: ExpertSource | None, fast: bool = True):
+        self.spec = spec
+        self.w = weights
+        self.experts = experts
+        self.fast = fast
+        self.stats = ForwardStats()
+        r = spec.rope
+        self._corr = r.corr_dims() if r.ext_factor else (0.0, 0.0)
+
+    # -- building blocks ----------------------------------------------------------------------------------
+    def linear(self, m: Linear, a: Activation) -> np.ndarray:
+        out = np.empty((a.x.shape[0], m.n_out), np.float32)
+        if self.fast:
+            xq, xd, xs = a.q()
+            matmul_q8(m.qtype, m.rows, a.x, xq, xd, xs, out)
+        else:
+            matmul_f32(m.qtype, m.rows, a.x, out)
+        if m.bias is not None:
+            out += m.bias
+        return out
+
+    def norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        out = np.empty_like(x)
+        ops.rmsnorm(x, w, np.float32(self.spec.rms_eps), out)
+        return out
+
+    def ffn(self, gate: Linear, up: Linear, down: Linear, a: Activation) -> np.ndarray:
+        h = np.empty((a.x.shape[0], gate.n_out), np.float32)
+        ops.silu_mul(self.linear(gate, a), self.linear(up, a), h)
+        return self.linear(down, Activation(h))
+
+    # -- layers -------------------------------------------------------------------------------------------
+    def attention(self, lw: LayerWeights, layer: int, x: np.ndarray, session: Session, cos, sin) -> np.ndarray:
+        s = self.spec
+        t = x.shape[0]
+        a = Activation(self.norm(x, lw.attn_norm))
+        q, k, v = self.linear(lw.wq, a), self.linear(lw.wk, a), self.linear(lw.wv, a)
+        if s.qk_norm == "full":
+            q, k = self.norm(q, lw.q_norm), self.norm(k, lw.k_norm)
+        q = q.reshape(t, s.n_head, s.head_dim)
+        k = k.reshape(t, s.n_head_kv, s.head_dim)
+        if s.qk_norm == "head":
+            q = self.norm(q.reshape(-1, s.head_dim), lw.q_norm).reshape(q.shape)
+            k = self.norm(k.reshape(-1, s.head_dim), lw.k_norm).reshape(k.shape)
+        neox = s.rope.style == "neox"
+        ops.rope_apply(q, cos, sin, neox)
+        ops.rope_apply(k, cos, sin, neox)
+        ops.kv_write(session.k[layer], session.v[layer], k, v.reshape(t, s.n_head_kv, s.head_dim), session.pos)
+        o = np.empty_like(q)
+        ops.attention(q, session.k[layer], session.v[layer], session.pos, np.float32(1.0 / math.sqrt(s.head_dim)), o)
+        return self.linear(lw.wo, Activation(o.reshape(t, s.q_dim)))
+
+    def moe(self, lw: LayerWeights, layer: int, a: Activation) -> np.ndarray:
+        s = self.spec
+        t = a.x.shape[0]
+        logits = np.empty((t, s.n_expert), np.float32)
+        matmul_f32(lw.router.qtype, lw.router.rows, a.x, logits)  # routing decides: keep it in float32
+        ids = np.empty((t, s.n_expert_used), np.int64)
+        wts = np.empty((t, s.n_expert_used), np.float32)
+        ops.route_softmax_topk(logits, s.n_expert_used, s.expert_norm, np.float32(s.expert_weights_scale), ids, wts)
+
+        t0 = time.perf_counter()
+        # Group the (token, slot) pairs by expert: each selected expert's rows are read once for all its tokens.
+        flat = ids.ravel()
+        order = np.argsort(flat, kind="stable")
+        experts, counts = np.unique(flat[order], return_counts=True)
+        grp_start = np.zeros(len(experts) + 1, np.int64)
+        np.cumsum(counts, out=grp_start[1:])
+        tok_idx = (order // s.n_expert_used).astype(np.int64)
+        n = len(order)
+        src = self.experts
+        mg, mu, md = src.matrix(layer, "gate"), src.matrix(layer, "up"), src.matrix(layer, "down")
+        xq, xd, xs = a.q() if self.fast else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
+        g = np.empty((n, mg.rows), np.float32)
+        u = np.empty((n, mu.rows), np.float32)
+        moe_matmul(self.fast, mg.qtype, src.buf, mg.offsets[experts], mg.rows, mg.row_bytes, grp_start, tok_idx,
+                   a.x, xq, xd, xs, g)
+        moe_matmul(self.fast, mu.qtype, src.buf, mu.offsets[experts], mu.rows, mu.row_bytes, grp_start, tok_idx,
+                   a.x, xq, xd, xs, u)
+        h = np.empty_like(g)
+        ops.silu_mul(g, u, h)
+        ha = Activation(h)
+        hq, hd, hs = ha.q() if self.fast else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
+        y = np.empty((n, md.rows), np.float32)
+        moe_matmul(self.fast, md.qtype, src.buf, md.offsets[experts], md.rows, md.row_bytes, grp_start,
+                   np.arange(n, dtype=np.int64), h, hq, hd, hs, y)
+        out = np.zeros((t, s.n_embd), np.float32)
+        np.add.at(out, tok_idx, y * wts.ravel()[order][:, None])
+        self.stats.expert_s += time.perf_counter() - t0
+        self.stats.expert_bytes += len(experts) * (mg.rows * mg.row_bytes + mu.rows * mu.row_bytes
+                                                   + md.rows * md.row_bytes)
+        counts_l = self.stats.expert_hits.setdefault(layer, np.zeros(s.n_expert, np.int64))
+        counts_l[experts] += counts
+
+        if lw.shexp_gate is not None:
+            sh = self.ffn(lw.shexp_gate, lw.shexp_up, lw.shexp_down, a)
+            if lw.shexp_gate_inp is not None:
+                sh *= 1.0 / (1.0 + np.exp(-(a.x @ lw.shexp_gate_inp)))[:, None]
+            out += sh
+        return out
+
+    # -- the whole model ----------------------------------------------------------------------------------
+    def forward(self, session: Session, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:
+        """Run tokens at the session's position; returns logits f32[T, vocab] (or [1, vocab] for the last)."""
+        t_start = time.perf_counter()
+        e_start = self.stats.expert_s
+        s = self.spec
+        tokens = np.asarray(tokens, np.int64)
+        t = len(tokens)
+        session.reserve(t)
+        x = np.empty((t, s.n_embd), np.float32)
+        dequant_rows(self.w.embd.qtype, self.w.embd.rows, tokens, x)
+        positions = np.arange(session.pos, session.pos + t, dtype=np.float64)
+        r = s.rope
+        cos, sin = ops.rope_tables(positions, r.n_rot, r.base, r.freq_scale, r.ext_factor, r.attn_factor,
+                                   self._corr[0], self._corr[1], self.w.rope_freqs.astype(np.float64))
+        for i, lw in enumerate(self.w.layers):
+            x += self.attention(lw, i, x, session, cos, sin)
+            a = Activation(self.norm(x, lw.ffn_norm))
+            if lw.router is not None:
+                x += self.moe(lw, i, a)
+            else:
+                x += self.ffn(lw.ffn_gate, lw.ffn_up, lw.ffn_down, a)
+        if not all_logits:
+            x = x[-1:]
+        logits = self.linear(self.w.output, Activation(self.norm(x, self.w.output_norm)))
+        session.advance([int(v) for v in tokens])
+        st = self.stats
+        st.calls += 1
+        st.tokens += t
+        st.dense_bytes += self.w.dense_bytes_per_token()
+        st.other_s += (time.perf_counter() - t_start) - (st.expert_s - e_start)
+        return logits
+
+
+_EMPTY_Q = np.zeros((1, 32), np.int8)
+_EMPTY_D = np.zeros((1, 2), np.float32)

@@ -1,0 +1,94 @@
+"""The generation loop: prompt as one batch, then token by token; streaming, stop ids, honest stats."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from strata_nb.runtime.sampler import Sampler
+from strata_nb.runtime.session import Session
+
+
+class Backend(Protocol):
+    def forward(self, session: Session, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray: ...
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # generated ids (a stop id that ended generation included)
+    stopped_by: str  # "eog" or "length"
+    prompt_tokens: int
+    prompt_s: float  # wall time of the prompt batch (including sampling the first token)
+    decode_s: float  # wall time of the decode steps
+    decode_steps: int  # forwards of one token each inside decode_s
+    expert_s: float = 0.0  # time in expert FFNs during decode
+    decode_other_s: float = 0.0  # the rest of the decode forwards
+    expert_bytes: int = 0  # routed-expert weight bytes read during decode
+    dense_bytes: int = 0  # dense weight bytes read during decode
+    logits: list[np.ndarray] = field(default_factory=list)  # when dumping: one [rows, vocab] block per forward
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else float("nan")
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def bytes_per_token(self) -> float:
+        return (self.expert_bytes + self.dense_bytes) / self.decode_steps if self.decode_steps else float("nan")
+
+
+def generate(backend: Backend, session: Session, prompt: Sequence[int], max_new: int, sampler: Sampler,
+             stop_ids: set[int], on_token: Callable[[int], None] | None = None,
+             keep_logits: bool = False) -> GenerationResult:
+    """Run the prompt as one batch, then decode up to max_new tokens or until a stop id is sampled.
+
+    With keep_logits the last generated token is also run, so the kept logits cover every position.
+    """
+    stats = getattr(backend, "stats", None)
+    t0 = time.perf_counter()
+    logits = backend.forward(session, np.asarray(prompt, np.int64), all_logits=keep_logits)
+    kept = [logits] if keep_logits else []
+    history = list(prompt)
+    out: list[int] = []
+    stopped = "length"
+    tok = -1
+    if max_new > 0:
+        tok = sampler.sample(logits[-1], history)
+    prompt_s = time.perf_counter() - t0
+    e0 = (stats.expert_s, stats.other_s, stats.expert_bytes, stats.dense_bytes) if stats else (0, 0, 0, 0)
+    t1 = time.perf_counter()
+    steps = 0
+    while max_new > 0:
+        out.append(tok)
+        history.append(tok)
+        if on_token is not None:
+            on_token(tok)
+        if tok in stop_ids:
+            stopped = "eog"
+            break
+        if len(out) >= max_new and not keep_logits:
+            break
+        if session.pos >= session.n_ctx:
+            stopped = "context"
+            break
+        logits = backend.forward(session, np.asarray([tok], np.int64))
+        steps += 1
+        if keep_logits:
+            kept.append(logits)
+            if len(out) >= max_new:
+                break
+        tok = sampler.sample(logits[-1], history)
+    decode_s = time.perf_counter() - t1
+    res = GenerationResult(tokens=out, stopped_by=stopped, prompt_tokens=len(prompt), prompt_s=prompt_s,
+                           decode_s=decode_s, decode_steps=steps, logits=kept)
+    if stats:
+        res.expert_s = stats.expert_s - e0[0]
+        res.decode_other_s = stats.other_s - e0[1]
+        res.expert_bytes = stats.expert_bytes - e0[2]
+        res.dense_bytes = stats.dense_bytes - e0[3]
+    return res
