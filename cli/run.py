@@ -143,8 +143,9 @@ def run_pack(model: str, output: str | None, verify: bool) -> None:
     from strata_nb.experts import pack as packmod
 
     if verify:
-        packmod.verify_pack(model, output)
-        click.echo(f"pack matches {model}")
+        pack_path = output or packmod.default_pack_path(model)
+        secs = packmod.verify_pack(pack_path, model)
+        click.echo(f"{pack_path} matches {model} (every expert re-hashed in {secs:.1f} s)")
         return
     bar, update = None, None
 
