@@ -42,9 +42,8 @@ def run_generate(*, model, prompt, token_ids, chat, system, n_predict, ctx, thre
     from strata_nb.api import load
     from strata_nb.model.chat import render_chat
     from strata_nb.model.tokenizer import StreamDecoder
-    from strata_nb.runtime.sampler import Sampler
 
-    Sampler(sampler, 2)  # validate the sampling options before the (slow) load
+    sampler.validate()  # bad sampling options fail before the (slow) load
     if ctx <= 0:
         raise StrataError(f"--ctx must be positive, got {ctx}")
     eng = load(model, pack=pack, n_ctx=ctx, threads=threads, fast=fast)
@@ -58,33 +57,33 @@ def run_generate(*, model, prompt, token_ids, chat, system, n_predict, ctx, thre
             if not template:
                 raise StrataError(f"{Path(model).name} has no tokenizer.chat_template; drop --chat")
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            text = render_chat(template, msgs, add_generation_prompt=True, bos_token=tok.bos_text,
-                               eos_token=tok.eos_text)
+            text = render_chat(template, msgs, add_generation_prompt=True, bos_token=_text(tok, tok.bos_id),
+                               eos_token=_text(tok, tok.eos_id))
         token_ids = tok.encode(text, add_special=True, parse_special=chat)
     toks = eng.check_tokens(token_ids)
     if len(toks) + n_predict > ctx:
         raise StrataError(f"prompt ({len(toks)} tokens) + -n {n_predict} exceed the context (--ctx {ctx})")
     if banner:
         click.echo(banner, err=True)
-    dec = StreamDecoder(tok)
+    dec = StreamDecoder(tok, lstrip_first=False)  # generated text continues the prompt, as llama.cpp prints it
     stop = set(tok.eog_ids)
-    out = click.get_text_stream("stdout")
-
     def on_token(t: int) -> None:
         if t in stop:
             return
         piece = dec.push(t)
         if piece:
-            out.write(piece)
-            out.flush()
+            click.echo(piece, nl=False)
 
     res = eng.generate(toks, n_predict, sampler, on_token=on_token, keep_logits=dump_logits is not None)
-    out.write(dec.flush() + "\n")
-    out.flush()
+    click.echo(dec.flush())
     if dump_logits:
         _save_npy_atomic(dump_logits, np.concatenate(res.logits, axis=0).astype(np.float32))
     if stats:
         print_stats(eng, res)
+
+
+def _text(tok, tid) -> str:
+    return tok.token_text(tid) if tid is not None and tid >= 0 else ""
 
 
 def print_stats(eng, res) -> None:

@@ -15,36 +15,66 @@ from strata_nb.cpu_kernels.rowdot import dequant_row, dot_f32, dot_q8
 ROWS_PER_TASK = 16
 
 
+# The row work of a task lives in its own (not inlined) function: the dispatch in rowdot is inlined and ends in
+# a raise, and a prange body with a raise in it has two exits, which numba refuses to parallelize (it then
+# runs the whole loop serially, with only a performance warning).
+
+@njit(cache=True, nogil=True)
+def _task_f32(qtype, w, x, out, r0, r1):
+    for r in range(r0, r1):
+        wr = w[r]
+        for t in range(x.shape[0]):
+            out[t, r] = dot_f32(qtype, wr, x[t])
+
+
+@njit(cache=True, nogil=True)
+def _task_q8(qtype, w, xq, xd, xs, out, r0, r1):
+    for r in range(r0, r1):
+        wr = w[r]
+        for t in range(xq.shape[0]):
+            out[t, r] = dot_q8(qtype, wr, xq[t], xd[t], xs[t])
+
+
+@njit(cache=True, nogil=True)
+def _task_moe(fast, qtype, buf, o0, row_bytes, r0, r1, j0, j1, tok_idx, x, xq, xd, xs, out):
+    for r in range(r0, r1):
+        o = o0 + r * row_bytes
+        wr = buf[o:o + row_bytes]
+        for j in range(j0, j1):
+            t = tok_idx[j]
+            if fast:
+                out[j, r] = dot_q8(qtype, wr, xq[t], xd[t], xs[t])
+            else:
+                out[j, r] = dot_f32(qtype, wr, x[t])
+
+
+@njit(cache=True, nogil=True)
+def _task_dequant(qtype, w, rows, out, i):
+    dequant_row(qtype, w[rows[i]], out[i])
+
+
 @njit(cache=True, parallel=True)
 def matmul_f32(qtype, w, x, out):
     """out[t, r] = W[r] . x[t] on the float32 reference path. w u8[rows, row_bytes], x f32[T, K]."""
     rows = w.shape[0]
-    ntok = x.shape[0]
     ntask = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(ntask):
-        r1 = min(rows, (task + 1) * ROWS_PER_TASK)
-        for r in range(task * ROWS_PER_TASK, r1):
-            wr = w[r]
-            for t in range(ntok):
-                out[t, r] = dot_f32(qtype, wr, x[t])
+        _task_f32(qtype, w, x, out, task * ROWS_PER_TASK, min(rows, (task + 1) * ROWS_PER_TASK))
 
 
 @njit(cache=True, parallel=True)
 def matmul_q8(qtype, w, x, xq, xd, xs, out):
     """Fast path: int8 activations (actq layout); float weight types use x directly."""
     rows = w.shape[0]
-    ntok = xq.shape[0]
     ntask = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     isfloat = qtype == F32 or qtype == F16 or qtype == BF16
     for task in prange(ntask):
-        r1 = min(rows, (task + 1) * ROWS_PER_TASK)
-        for r in range(task * ROWS_PER_TASK, r1):
-            wr = w[r]
-            for t in range(ntok):
-                if isfloat:
-                    out[t, r] = dot_f32(qtype, wr, x[t])
-                else:
-                    out[t, r] = dot_q8(qtype, wr, xq[t], xd[t], xs[t])
+        r0 = task * ROWS_PER_TASK
+        r1 = min(rows, r0 + ROWS_PER_TASK)
+        if isfloat:
+            _task_f32(qtype, w, x, out, r0, r1)
+        else:
+            _task_q8(qtype, w, xq, xd, xs, out, r0, r1)
 
 
 @njit(cache=True, parallel=True)
@@ -59,24 +89,16 @@ def moe_matmul(fast, qtype, buf, base, nrows, row_bytes, grp_start, tok_idx, x, 
     """
     ngrp = base.shape[0]
     nblk = (nrows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    isfloat = qtype == F32 or qtype == F16 or qtype == BF16
+    q8 = fast and not (qtype == F32 or qtype == F16 or qtype == BF16)
     for task in prange(ngrp * nblk):
         g = task // nblk
-        blk = task - g * nblk
-        r1 = min(nrows, (blk + 1) * ROWS_PER_TASK)
-        for r in range(blk * ROWS_PER_TASK, r1):
-            o = base[g] + r * row_bytes
-            wr = buf[o:o + row_bytes]
-            for j in range(grp_start[g], grp_start[g + 1]):
-                t = tok_idx[j]
-                if fast and not isfloat:
-                    out[j, r] = dot_q8(qtype, wr, xq[t], xd[t], xs[t])
-                else:
-                    out[j, r] = dot_f32(qtype, wr, x[t])
+        r0 = (task - g * nblk) * ROWS_PER_TASK
+        _task_moe(q8, qtype, buf, base[g], row_bytes, r0, min(nrows, r0 + ROWS_PER_TASK),
+                  grp_start[g], grp_start[g + 1], tok_idx, x, xq, xd, xs, out)
 
 
 @njit(cache=True, parallel=True)
 def dequant_rows(qtype, w, rows, out):
     """out[i] = dequant(W[rows[i]]): embedding lookup from a (possibly quantized) table."""
     for i in prange(rows.shape[0]):
-        dequant_row(qtype, w[rows[i]], out[i])
+        _task_dequant(qtype, w, rows, out, i)

@@ -73,8 +73,8 @@ class Engine:
             raise StrataError(f"--ctx must be positive, got {n_ctx}")
         self.threads = set_threads(threads)
         self.weights: ModelWeights = bind_weights(self.gguf, self.spec)
-        self.experts = open_experts(self.path, self.gguf.reader, pack) if self.spec.is_moe else None
-        self.tokenizer = Tokenizer.from_gguf(self.gguf.reader)
+        self.experts = open_experts(self.gguf, pack) if self.spec.is_moe else None
+        self.tokenizer = Tokenizer.from_gguf(self.gguf)
         self.backend = CPUBackend(self.spec, self.weights, self.experts, fast=fast)
         self.load_s = time.perf_counter() - t0
 

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from strata_nb.errors import PackError
+from strata_nb.errors import ModelFormatError, PackError
 from strata_nb.experts import pack as packfmt
 from strata_nb.experts.source import GGUFExperts, PackExperts, open_experts
+from strata_nb.model.gguf_file import GGUFFile
 
 N_EXPERT, D, FF = 4, 512, 256
 # (layer, kind) -> quant type; layer 0 is dense (no routed experts), as in models with leading dense layers
@@ -54,12 +55,9 @@ def model(tmp_path: Path) -> tuple[Path, dict]:
     return p, make_gguf(p)
 
 
-def reader(p: Path) -> gguf.GGUFReader:
-    return gguf.GGUFReader(p, "r")
-
-
 def tensor_offset(p: Path, name: str) -> int:
-    return next(int(t.data_offset) for t in reader(p).tensors if t.name == name)
+    """Where gguf-py (independent of our parser) says a tensor's bytes start."""
+    return next(int(t.data_offset) for t in gguf.GGUFReader(p, "r").tensors if t.name == name)
 
 
 def flip_byte(p: Path, offset: int) -> None:
@@ -75,8 +73,8 @@ def test_pack_rows_equal_gguf_rows(model: tuple[Path, dict]) -> None:
     seen = []
     out = packfmt.write_pack(p, progress=lambda d, t: seen.append((d, t)))
     assert out == p.with_name("model.strata-pack") == packfmt.default_pack_path(p)
-    r = reader(p)
-    g, pk = GGUFExperts(r), PackExperts(out, r)
+    gf = GGUFFile(p)
+    g, pk = GGUFExperts(gf), PackExperts(out, gf)
     assert g.layers == pk.layers == (1, 2)
     assert not pk.buf.flags.writeable
     for (layer, kind), want in raw.items():
@@ -114,17 +112,17 @@ def test_pack_is_deterministic_across_thread_counts(model: tuple[Path, dict], tm
 
 def test_open_experts_choice(model: tuple[Path, dict], tmp_path: Path) -> None:
     p, _ = model
-    assert type(open_experts(p, reader(p))) is GGUFExperts  # no pack anywhere
+    assert type(open_experts(GGUFFile(p))) is GGUFExperts  # no pack anywhere
     away = tmp_path / "elsewhere"
     away.mkdir()
     out = packfmt.write_pack(p, away)  # a directory: default name inside it
     assert out == away / "model.strata-pack"
-    assert type(open_experts(p, reader(p))) is GGUFExperts  # not beside the GGUF
-    assert type(open_experts(p, reader(p), pack=out)) is PackExperts
+    assert type(open_experts(GGUFFile(p))) is GGUFExperts  # not beside the GGUF
+    assert type(open_experts(GGUFFile(p), pack=out)) is PackExperts
     packfmt.write_pack(p)
-    assert type(open_experts(p, reader(p))) is PackExperts  # found beside the GGUF
+    assert type(open_experts(GGUFFile(p))) is PackExperts  # found beside the GGUF
     with pytest.raises(PackError, match="not found"):
-        open_experts(p, reader(p), pack=tmp_path / "missing.strata-pack")
+        open_experts(GGUFFile(p), pack=tmp_path / "missing.strata-pack")
 
 
 def test_interrupted_write_leaves_nothing(model: tuple[Path, dict]) -> None:
@@ -145,7 +143,7 @@ def test_refuses_gguf_with_modified_expert_bytes(model: tuple[Path, dict]) -> No
     out = packfmt.write_pack(p)
     flip_byte(p, tensor_offset(p, "blk.2.ffn_up_exps.weight") + 5)  # inside a fingerprint window
     with pytest.raises(PackError, match="expert bytes changed"):
-        open_experts(p, reader(p))
+        open_experts(GGUFFile(p))
 
 
 def test_verify_catches_changes_the_fingerprint_misses(model: tuple[Path, dict]) -> None:
@@ -154,12 +152,12 @@ def test_verify_catches_changes_the_fingerprint_misses(model: tuple[Path, dict])
     # expert 1 of layer 1's gate: past the first 64 KiB window, before the middle one
     off = tensor_offset(p, "blk.1.ffn_gate_exps.weight") + 80_000
     flip_byte(p, off)
-    PackExperts(out, reader(p))  # the cheap open check does not read this byte...
+    PackExperts(out, GGUFFile(p))  # the cheap open check does not read this byte...
     with pytest.raises(PackError, match=r"GGUF experts do not match .* layer 1, expert 1"):
         packfmt.verify_pack(out, p)  # ...the full check does, and names the expert
     flip_byte(p, off)  # restore the GGUF; damage the pack's copy of layer 2, expert 3
     packfmt.verify_pack(out, p)
-    flip_byte(out, PackExperts(out, reader(p)).blob(2, 3)[0] + 10)
+    flip_byte(out, PackExperts(out, GGUFFile(p)).blob(2, 3)[0] + 10)
     with pytest.raises(PackError, match=r"pack experts do not match .* layer 2, expert 3"):
         packfmt.verify_pack(out, p)
 
@@ -171,20 +169,20 @@ def test_refuses_a_different_gguf(model: tuple[Path, dict], tmp_path: Path) -> N
     make_gguf(same_shape, seed=1)  # same size and header, other weights
     assert same_shape.stat().st_size == p.stat().st_size
     with pytest.raises(PackError, match="expert bytes changed"):
-        PackExperts(out, reader(same_shape))
+        PackExperts(out, GGUFFile(same_shape))
     other_shape = tmp_path / "bigger.gguf"
     make_gguf(other_shape, ff=2 * FF)
     with pytest.raises(PackError, match="bytes"):
-        PackExperts(out, reader(other_shape))
+        PackExperts(out, GGUFFile(other_shape))
 
 
 def test_refuses_changed_header(model: tuple[Path, dict]) -> None:
     p, _ = model
     out = packfmt.write_pack(p)
-    key = reader(p).fields["general.architecture"]
+    key = gguf.GGUFReader(p, "r").fields["general.architecture"]
     flip_byte(p, int(key.offset) + 8 + 2)  # a letter of the key's name (after its u64 length): still a valid GGUF
     with pytest.raises(PackError, match="header"):
-        PackExperts(out, reader(p))
+        PackExperts(out, GGUFFile(p))
 
 
 @pytest.mark.parametrize("cut", [1, 4096, 0.5, 1e-5])
@@ -194,7 +192,7 @@ def test_refuses_truncated_pack(model: tuple[Path, dict], cut: float) -> None:
     size = out.stat().st_size
     os.truncate(out, size - cut if isinstance(cut, int) else int(size * cut))  # 1e-5: not even a preamble
     with pytest.raises(PackError, match="truncated"):
-        PackExperts(out, reader(p))
+        PackExperts(out, GGUFFile(p))
 
 
 def test_refuses_corrupt_index_wrong_version_and_non_packs(model: tuple[Path, dict], tmp_path: Path) -> None:
@@ -205,12 +203,12 @@ def test_refuses_corrupt_index_wrong_version_and_non_packs(model: tuple[Path, di
     assert json.loads(good[ioff:ioff + ilen])["version"] == packfmt.FORMAT_VERSION
     flip_byte(out, ioff + ilen // 2)
     with pytest.raises(PackError, match="index is corrupt"):
-        PackExperts(out, reader(p))
+        PackExperts(out, GGUFFile(p))
     out.write_bytes(good[:8] + struct.pack("<I", packfmt.FORMAT_VERSION + 1) + good[12:])
     with pytest.raises(PackError, match="version 2"):
-        PackExperts(out, reader(p))
+        PackExperts(out, GGUFFile(p))
     with pytest.raises(PackError, match="not a strata-nb expert pack"):
-        PackExperts(p, reader(p))  # the GGUF itself
+        PackExperts(p, GGUFFile(p))  # the GGUF itself
 
 
 def test_gguf_without_experts_is_refused(tmp_path: Path) -> None:
@@ -224,3 +222,14 @@ def test_gguf_without_experts_is_refused(tmp_path: Path) -> None:
     with pytest.raises(PackError, match="no routed-expert tensors"):
         packfmt.write_pack(p)
     assert sorted(os.listdir(tmp_path)) == ["dense.gguf"]
+
+
+def test_truncated_gguf_is_refused(model: tuple[Path, dict]) -> None:
+    p, _ = model
+    out = packfmt.write_pack(p)
+    os.truncate(p, tensor_offset(p, "blk.2.ffn_down_exps.weight") + 100)  # cut inside the last expert tensor
+    with pytest.raises(ModelFormatError, match="truncated GGUF: tensor blk.2.ffn_down_exps.weight"):
+        packfmt.verify_pack(out, p)
+    with pytest.raises(ModelFormatError, match="truncated GGUF: tensor blk.2.ffn_down_exps.weight"):
+        packfmt.write_pack(p, out.with_name("again.strata-pack"))
+    assert not out.with_name("again.strata-pack").exists()

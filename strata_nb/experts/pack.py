@@ -42,6 +42,7 @@ import numpy as np
 
 from strata_nb.cpu_kernels import qtypes
 from strata_nb.errors import ModelFormatError, PackError
+from strata_nb.model.gguf_file import GGUFFile, type_name
 
 FORMAT_VERSION = 1
 MAGIC = b"STRATAPK"
@@ -115,42 +116,22 @@ def default_pack_path(gguf_path: str | os.PathLike) -> Path:
 
 # -- the experts of a GGUF ---------------------------------------------------------------------------------------
 
-def open_reader(gguf_path: str | os.PathLike) -> Any:
-    """gguf.GGUFReader over the file, read-only; unreadable files become ModelFormatError."""
-    import gguf  # deferred: importing gguf costs ~0.2 s
+def expert_tensors(g: GGUFFile) -> dict[tuple[int, str], ExpertTensor]:
+    """The routed-expert tensors of a GGUF keyed by (layer, kind), validated, in (layer, kind) order.
 
-    path = Path(gguf_path)
-    if not path.is_file():
-        raise ModelFormatError(f"model file not found: {path}")
-    try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as e:  # the reader raises assorted errors on truncated or corrupt headers
-        raise ModelFormatError(f"cannot read GGUF header of {path}: {e}") from None
-
-
-def expert_tensors(reader: Any) -> dict[tuple[int, str], ExpertTensor]:
-    """The routed-expert tensors of a gguf.GGUFReader keyed by (layer, kind), validated, in (layer, kind) order."""
-    size = len(reader.data)
+    GGUFFile has already checked that every tensor lies inside the file and has whole quant blocks per row.
+    """
     found: dict[tuple[int, str], ExpertTensor] = {}
-    for t in reader.tensors:
+    for t in g.tensors.values():
         m = _TENSOR_RE.fullmatch(t.name)
         if m is None:
             continue
-        qt = int(t.tensor_type)
-        if qt not in qtypes.QUANT_INFO:
-            raise ModelFormatError(f"expert tensor {t.name} has unsupported quant type {qtypes.name(qt)}")
+        if t.qtype not in qtypes.QUANT_INFO:
+            raise ModelFormatError(f"expert tensor {t.name} has unsupported quant type {type_name(t.qtype)}")
         if len(t.shape) != 3:
             raise ModelFormatError(f"expert tensor {t.name} has {len(t.shape)} dimensions, expected 3")
-        cols, rows, n_expert = (int(n) for n in t.shape)  # GGUF ne order: innermost first
-        try:
-            rb = qtypes.row_bytes(qt, cols)
-        except ValueError as e:
-            raise ModelFormatError(f"expert tensor {t.name}: {e}") from None
-        et = ExpertTensor(int(m.group(1)), m.group(2), qt, n_expert, rows, cols, rb, int(t.data_offset))
-        if int(t.n_bytes) != n_expert * et.matrix_bytes:
-            raise ModelFormatError(f"expert tensor {t.name}: {t.n_bytes} bytes, expected {n_expert * et.matrix_bytes}")
-        if et.offset + int(t.n_bytes) > size:
-            raise ModelFormatError(f"truncated GGUF: expert tensor {t.name} ends past the end of the file")
+        n_expert, rows, cols = t.shape  # numpy order: outermost first
+        et = ExpertTensor(int(m.group(1)), m.group(2), t.qtype, n_expert, rows, cols, t.row_bytes, t.offset)
         found[(et.layer, et.kind)] = et
     out = dict(sorted(found.items(), key=lambda kv: (kv[0][0], KINDS.index(kv[0][1]))))
     first: dict[int, ExpertTensor] = {}
@@ -172,21 +153,23 @@ def _windows(tensors: dict[tuple[int, str], ExpertTensor]) -> list[tuple[int, in
     return out
 
 
-def _fingerprint(data: np.ndarray, header_end: int, tensors: dict[tuple[int, str], ExpertTensor]) -> dict[str, Any]:
-    """Cheap binding to the GGUF, recomputed at every open: reads the header and three windows per tensor."""
+def _fingerprint(g: GGUFFile, tensors: dict[tuple[int, str], ExpertTensor]) -> dict[str, Any]:
+    """Cheap binding to the GGUF, recomputed at every open: reads the header and three windows per tensor.
+
+    The header hash covers everything before the aligned tensor data (metadata, tensor table, alignment padding).
+    """
     windows = _windows(tensors)
-    if getattr(data, "filename", None):
-        # Ask for every window at once so a cold disk serves them in parallel rather than one seek at a time.
-        fd = os.open(data.filename, os.O_RDONLY)
-        try:
-            for off, n in windows:
-                os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
+    # Ask for every window at once so a cold disk serves them in parallel rather than one seek at a time.
+    fd = os.open(g.path, os.O_RDONLY)
+    try:
+        for off, n in windows:
+            os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
     samples = hashlib.sha256()
     for off, n in windows:
-        samples.update(data[off:off + n])
-    return {"size": len(data), "header_sha256": hashlib.sha256(data[:header_end]).hexdigest(),
+        samples.update(g.data[off:off + n])
+    return {"size": g.size, "header_sha256": hashlib.sha256(g.data[:g.data_offset]).hexdigest(),
             "sample_sha256": samples.hexdigest()}
 
 
@@ -307,8 +290,8 @@ def write_pack(gguf_path: str | os.PathLike, out_path: str | os.PathLike | None 
     called after each blob, from the calling thread; if it raises, the write is abandoned and nothing is left.
     """
     gguf_path = Path(gguf_path)
-    reader = open_reader(gguf_path)
-    tensors = expert_tensors(reader)
+    g = GGUFFile(gguf_path)
+    tensors = expert_tensors(g)
     if not tensors:
         raise PackError(f"{gguf_path.name} has no routed-expert tensors (blk.N.ffn_*_exps.weight) to pack")
     layers = _plan(tensors)
@@ -324,7 +307,7 @@ def write_pack(gguf_path: str | os.PathLike, out_path: str | os.PathLike | None 
         raise PackError(f"not enough disk space for the pack in {out.parent}: "
                         f"needs {data_end / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free")
 
-    fingerprint = _fingerprint(reader.data, int(reader.data_offset), tensors)
+    fingerprint = _fingerprint(g, tensors)
     src = os.open(gguf_path, os.O_RDONLY)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")
     try:
@@ -414,15 +397,14 @@ def read_pack_index(pack_path: str | os.PathLike) -> PackIndex:
     return PackIndex(path, version, size, gg, layers)
 
 
-def check_pack(index: PackIndex, reader: Any) -> None:
+def check_pack(index: PackIndex, g: GGUFFile) -> None:
     """Refuse (PackError) a pack that does not belong to this GGUF, naming the first difference found."""
     name = index.path.name
     gname = index.gguf.get("name", "?")
-    size = len(reader.data)
-    if size != index.gguf["size"]:
+    if g.size != index.gguf["size"]:
         raise PackError(f"pack {name} was made from a GGUF of {index.gguf['size']} bytes ({gname}), "
-                        f"this one has {size}: re-run `strata-nb pack`")
-    tensors = expert_tensors(reader)
+                        f"this one has {g.size}: re-run `strata-nb pack`")
+    tensors = expert_tensors(g)
     have = {(l, k) for l, pl in index.layers.items() for k in pl.matrices}
     if have != set(tensors):
         diff = sorted(have ^ set(tensors))[0]
@@ -435,7 +417,7 @@ def check_pack(index: PackIndex, reader: Any) -> None:
                 f"pack {name} does not match the GGUF: blk.{l}.ffn_{k}_exps is {qtypes.name(pm.qtype)} "
                 f"{index.layers[l].n_expert}x{pm.rows}x{pm.cols} in the pack, "
                 f"{qtypes.name(et.qtype)} {et.n_expert}x{et.rows}x{et.cols} in the GGUF")
-    fp = _fingerprint(reader.data, int(reader.data_offset), tensors)
+    fp = _fingerprint(g, tensors)
     if fp["header_sha256"] != index.gguf["header_sha256"]:
         raise PackError(f"pack {name} does not match the GGUF: its header (metadata or tensor table) changed "
                         f"since packing: re-run `strata-nb pack`")
@@ -452,9 +434,9 @@ def verify_pack(pack_path: str | os.PathLike, gguf_path: str | os.PathLike, prog
     """
     t0 = time.perf_counter()
     index = read_pack_index(pack_path)
-    reader = open_reader(gguf_path)
-    check_pack(index, reader)
-    tensors = expert_tensors(reader)
+    g = GGUFFile(gguf_path)
+    check_pack(index, g)
+    tensors = expert_tensors(g)
     want = index.gguf["experts_sha256"]
     n = threads or _default_threads()
 

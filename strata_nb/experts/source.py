@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from strata_nb.errors import PackError, StrataError
 from strata_nb.experts import pack as packfmt
+from strata_nb.model.gguf_file import GGUFFile
 
 
 @dataclass(frozen=True)
@@ -66,22 +66,22 @@ class ExpertSource:
 
 
 class GGUFExperts(ExpertSource):
-    """The experts read in place from the GGUF: buf is the reader's map of the whole file."""
+    """The experts read in place from the GGUF: buf is the GGUFFile's map of the whole file."""
 
-    def __init__(self, reader: Any):
+    def __init__(self, g: GGUFFile):
         mats = {}
-        for key, et in packfmt.expert_tensors(reader).items():
+        for key, et in packfmt.expert_tensors(g).items():
             offs = et.offset + np.arange(et.n_expert, dtype=np.int64) * et.matrix_bytes
             mats[key] = ExpertMatrix(et.qtype, et.rows, et.cols, et.row_bytes, offs)
-        super().__init__(reader.data, Path(reader.data.filename or "model.gguf"), mats)
+        super().__init__(g.data, g.path, mats)
 
 
 class PackExperts(ExpertSource):
-    """The experts from an expert pack, after checking that the pack belongs to the reader's GGUF."""
+    """The experts from an expert pack, after checking that the pack belongs to the GGUF g."""
 
-    def __init__(self, pack_path: str | os.PathLike, reader: Any):
+    def __init__(self, pack_path: str | os.PathLike, g: GGUFFile):
         self.index = packfmt.read_pack_index(pack_path)
-        packfmt.check_pack(self.index, reader)
+        packfmt.check_pack(self.index, g)
         mats = {}
         for pl in self.index.layers.values():
             base = pl.offset + np.arange(pl.n_expert, dtype=np.int64) * pl.stride
@@ -97,7 +97,7 @@ class PackExperts(ExpertSource):
         return pl.offset + expert * pl.stride, pl.stride
 
 
-def open_experts(gguf_path: str | os.PathLike, reader: Any, pack: str | os.PathLike | None = None) -> ExpertSource:
+def open_experts(g: GGUFFile, pack: str | os.PathLike | None = None) -> ExpertSource:
     """The given pack, else the pack beside the GGUF (default_pack_path), else the GGUF's experts in place.
 
     A pack that does not match the GGUF raises PackError rather than silently falling back.
@@ -105,8 +105,8 @@ def open_experts(gguf_path: str | os.PathLike, reader: Any, pack: str | os.PathL
     if pack is not None:
         if not Path(pack).is_file():
             raise PackError(f"expert pack not found: {pack}")
-        return PackExperts(pack, reader)
-    beside = packfmt.default_pack_path(gguf_path)
+        return PackExperts(pack, g)
+    beside = packfmt.default_pack_path(g.path)
     if beside.is_file():
-        return PackExperts(beside, reader)
-    return GGUFExperts(reader)
+        return PackExperts(beside, g)
+    return GGUFExperts(g)

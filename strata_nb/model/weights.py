@@ -7,7 +7,7 @@ import numpy as np
 
 from strata_nb.cpu_kernels import qtypes
 from strata_nb.errors import ModelFormatError
-from strata_nb.model.gguf_file import GGUFFile, TensorRef
+from strata_nb.model.gguf_file import GGUFFile, TensorRef, type_name
 from strata_nb.model.spec import ModelSpec
 
 
@@ -71,12 +71,7 @@ def check_quant_types(g: GGUFFile) -> None:
     """Refuse a file holding a quant type we have no kernel for, naming the tensor, before anything loads."""
     for ref in g.tensors.values():
         if ref.qtype not in qtypes.QUANT_INFO:
-            import gguf
-
-            try:
-                tname = gguf.GGMLQuantizationType(ref.qtype).name
-            except ValueError:
-                tname = f"type {ref.qtype}"
+            tname = type_name(ref.qtype)
             supported = ", ".join(qtypes.name(q) for q in qtypes.SUPPORTED)
             raise ModelFormatError(
                 f"unsupported quant type {tname} in tensor {ref.name}; supported: {supported}")

@@ -1,0 +1,465 @@
+"""K-quant rows (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): dequantize, float32 dot and int8-activation dot.
+
+Every K-quant super-block holds 256 weights as eight chunks of 32, each weight w = s * (u - o) - m with an
+unsigned integer u, a type constant offset o (4 for Q3_K, 32 for Q6_K, else 0), a float scale s per group of
+16 (or 32) and, for Q2_K/Q4_K/Q5_K, a float min m per group. So each type is one small LLVM-IR "unpack" (block
+bytes -> eight <32 x i8> vectors of u, o, the 16 per-group scales and mins) and three shared consumers build
+the row loops around it:
+  dequant   w = s * q - m, stored (the same float32 operations in the same order as gguf-py: bit-exact)
+  dot_f32   the same w in registers, fma into float32 accumulators (the accuracy reference)
+  dot_q8    integer dots of u with the int8 activations per group of 16: vpdpbusd (u8 x s8, AVX512-VNNI) where
+            numba targets a CPU that has it, else sign-extended even/odd pair sums (LLVM's vpmaddwd pattern);
+            the offset as o * sum(xq) from the same instruction, so the integer sums are exact. Each group's
+            sum is scaled by s * xd in float32; the min term is one vector fma per super-block against the exact
+            float sums of x per 16 (actq xs), so it adds no int8 rounding.
+All loops take 64 or 32 elements per step with four independent accumulators and prefetch the weights
+PREFETCH_BYTES ahead (rows of a matrix are contiguous, so this runs on into the next row).
+Layouts: llama.cpp ggml-common.h (block_q*_K) and gguf-py gguf/quants.py (dequantize_blocks).
+"""
+from __future__ import annotations
+
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from strata_nb.errors import StrataError
+
+QK = 256
+PREFETCH_BYTES = 2048
+
+_I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_F32 = ir.FloatType()
+_PI8 = _I8.as_pointer()
+
+
+def _vt(t: ir.Type, n: int) -> ir.VectorType:
+    return ir.VectorType(t, n)
+
+
+def _cv(t: ir.Type, vals: list) -> ir.Constant:
+    """Constant vector of element type t."""
+    return ir.Constant(_vt(t, len(vals)), [ir.Constant(t, v) for v in vals])
+
+
+def _shuf(b: ir.IRBuilder, v: ir.Value, idx: list[int]) -> ir.Value:
+    return b.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), _cv(_I32, idx))
+
+
+def _splat(b: ir.IRBuilder, s: ir.Value, n: int) -> ir.Value:
+    v = b.insert_element(ir.Constant(_vt(s.type, 1), ir.Undefined), s, ir.Constant(_I32, 0))
+    return _shuf(b, v, [0] * n)
+
+
+class _Block:
+    """Byte-addressed loads from one super-block."""
+
+    def __init__(self, b: ir.IRBuilder, ptr: ir.Value):
+        self.b = b
+        self.ptr = ptr
+
+    def vec(self, off: int, n: int) -> ir.Value:
+        p = self.b.gep(self.ptr, [ir.Constant(_I64, off)])
+        return self.b.load(self.b.bitcast(p, _vt(_I8, n).as_pointer()), align=1)
+
+    def f16(self, off: int) -> ir.Value:
+        p = self.b.bitcast(self.b.gep(self.ptr, [ir.Constant(_I64, off)]), _I16.as_pointer())
+        return self.b.fpext(self.b.bitcast(self.b.load(p, align=1), ir.HalfType()), _F32)
+
+
+def _pair16(b: ir.IRBuilder, v8: ir.Value) -> ir.Value:
+    """<8 x float> per group of 32 -> <16 x float> per group of 16."""
+    return _shuf(b, v8, [i // 2 for i in range(16)])
+
+
+# ---- per-type unpack: block -> (eight <32 x i8> unsigned quants u, offset o with q = u - o,
+#                                <16 x float> scale per 16, <16 x float> min per 16 or None)
+
+def _unpack_q2_k(k: _Block):
+    # scales[16] (low nibble scale, high nibble min) | qs[64] | d | dmin; element h*128+j*32+l = qs[h*32+l]>>2j &3
+    b = k.b
+    sc = k.vec(0, 16)
+    d, dmin = k.f16(80), k.f16(82)
+    ws = b.fmul(_splat(b, d, 16), b.uitofp(b.and_(sc, _cv(_I8, [15] * 16)), _vt(_F32, 16)))
+    ms = b.fmul(_splat(b, dmin, 16), b.uitofp(b.lshr(sc, _cv(_I8, [4] * 16)), _vt(_F32, 16)))
+    q = []
+    for h in range(2):
+        qs = k.vec(16 + 32 * h, 32)
+        for j in range(4):
+            q.append(b.and_(b.lshr(qs, _cv(_I8, [2 * j] * 32)), _cv(_I8, [3] * 32)))
+    return q, 0, ws, ms
+
+
+def _unpack_q3_k(k: _Block):
+    # hmask[32] | qs[64] | scales[12] (6-bit, -32) | d; q = (qs 2-bit | hmask bit << 2) - 4
+    b = k.b
+    hm = k.vec(0, 32)
+    s = k.vec(94, 16)  # bytes 94..109: the 12 scale bytes at s[2..13], no read past the block
+    lo = b.and_(b.lshr(_shuf(b, s, [2 + i % 8 for i in range(16)]), _cv(_I8, [4 * (i // 8) for i in range(16)])),
+                _cv(_I8, [15] * 16))
+    hi = b.and_(b.lshr(_shuf(b, s, [10 + i % 4 for i in range(16)]), _cv(_I8, [2 * (i // 4) for i in range(16)])),
+                _cv(_I8, [3] * 16))
+    sc = b.sub(b.or_(lo, b.shl(hi, _cv(_I8, [4] * 16))), _cv(_I8, [32] * 16))
+    ws = b.fmul(_splat(b, k.f16(108), 16), b.sitofp(sc, _vt(_F32, 16)))
+    q = []
+    for h in range(2):
+        qs = k.vec(32 + 32 * h, 32)
+        for j in range(4):
+            c = 4 * h + j
+            ql = b.and_(b.lshr(qs, _cv(_I8, [2 * j] * 32)), _cv(_I8, [3] * 32))
+            qh = b.and_(b.lshr(hm, _cv(_I8, [c - 2] * 32)) if c >= 2 else b.shl(hm, _cv(_I8, [2 - c] * 32)),
+                        _cv(_I8, [4] * 32))
+            q.append(b.or_(ql, qh))
+    return q, 4, ws, None
+
+
+def _scales_k4(k: _Block):
+    """Q4_K/Q5_K: d, dmin and the eight 6-bit (scale, min) pairs packed in bytes 4..15 -> per-16 floats."""
+    b = k.b
+    s = k.vec(0, 16)  # d, dmin, then scales at s[4..15]
+    m6 = _cv(_I8, [63] * 4 + [15] * 4)
+    top = _cv(_I8, [0] * 4 + [48] * 4)
+    two = _cv(_I8, [2] * 8)
+    sc = b.or_(b.and_(_shuf(b, s, [4, 5, 6, 7, 12, 13, 14, 15]), m6),
+               b.and_(b.lshr(_shuf(b, s, [4, 5, 6, 7, 4, 5, 6, 7]), two), top))
+    mn = b.or_(b.and_(b.lshr(_shuf(b, s, [8, 9, 10, 11, 12, 13, 14, 15]), _cv(_I8, [0] * 4 + [4] * 4)), m6),
+               b.and_(b.lshr(_shuf(b, s, [8, 9, 10, 11, 8, 9, 10, 11]), two), top))
+    ws = b.fmul(_splat(b, k.f16(0), 8), b.uitofp(sc, _vt(_F32, 8)))
+    ms = b.fmul(_splat(b, k.f16(2), 8), b.uitofp(mn, _vt(_F32, 8)))
+    return _pair16(b, ws), _pair16(b, ms)
+
+
+def _unpack_q4_k(k: _Block):
+    # d | dmin | scales[12] | qs[128]; chunk 2c = qs[32c:32c+32] & 15, chunk 2c+1 = the high nibbles
+    b = k.b
+    ws, ms = _scales_k4(k)
+    q = []
+    for c in range(4):
+        qs = k.vec(16 + 32 * c, 32)
+        q.append(b.and_(qs, _cv(_I8, [15] * 32)))
+        q.append(b.lshr(qs, _cv(_I8, [4] * 32)))
+    return q, 0, ws, ms
+
+
+def _unpack_q5_k(k: _Block):
+    # d | dmin | scales[12] | qh[32] | qs[128]; chunk j takes bit j of qh as its fifth bit
+    b = k.b
+    ws, ms = _scales_k4(k)
+    qh = k.vec(16, 32)
+    q = []
+    for c in range(4):
+        qs = k.vec(48 + 32 * c, 32)
+        for j, lo in ((2 * c, b.and_(qs, _cv(_I8, [15] * 32))), (2 * c + 1, b.lshr(qs, _cv(_I8, [4] * 32)))):
+            hb = b.lshr(qh, _cv(_I8, [j - 4] * 32)) if j >= 4 else b.shl(qh, _cv(_I8, [4 - j] * 32))
+            q.append(b.or_(lo, b.and_(hb, _cv(_I8, [16] * 32))))
+    return q, 0, ws, ms
+
+
+def _unpack_q6_k(k: _Block):
+    # ql[128] | qh[64] | scales[16] int8 | d; q = (4 low bits | 2 high bits << 4) - 32
+    b = k.b
+    ws = b.fmul(_splat(b, k.f16(208), 16), b.sitofp(k.vec(192, 16), _vt(_F32, 16)))
+    q = []
+    for h in range(2):
+        l0, l1 = k.vec(64 * h, 32), k.vec(64 * h + 32, 32)
+        qh = k.vec(128 + 32 * h, 32)
+        lows = (b.and_(l0, _cv(_I8, [15] * 32)), b.and_(l1, _cv(_I8, [15] * 32)),
+                b.lshr(l0, _cv(_I8, [4] * 32)), b.lshr(l1, _cv(_I8, [4] * 32)))
+        for j in range(4):
+            hi = b.shl(qh, _cv(_I8, [4 - 2 * j] * 32)) if j < 2 else b.lshr(qh, _cv(_I8, [2 * j - 4] * 32))
+            q.append(b.or_(lows[j], b.and_(hi, _cv(_I8, [48] * 32))))
+    return q, 32, ws, None
+
+
+# ---- shared loop builders
+
+def _data_ptr(context, builder, arrty, arr, elem: ir.Type) -> ir.Value:
+    ary = context.make_array(arrty)(context, builder, arr)
+    return builder.bitcast(ary.data, elem.as_pointer())
+
+
+def _fn(b: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Type]):
+    return cgutils.get_or_insert_function(b.module, ir.FunctionType(ret, args), name)
+
+
+def _fma(b: ir.IRBuilder, x: ir.Value, y: ir.Value, z: ir.Value) -> ir.Value:
+    n = x.type.count
+    return b.call(_fn(b, f"llvm.fma.v{n}f32", x.type, [x.type] * 3), [x, y, z])
+
+
+def _hsum(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        v = b.fadd(_shuf(b, v, list(range(n))), _shuf(b, v, list(range(n, 2 * n))))
+    return b.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _spread(b: ir.IRBuilder, v16: ir.Value, c: int, lanes: int) -> ir.Value:
+    """Per-16 values of chunk c across its lanes: <lanes> = v16[2c] x lanes/2 ++ v16[2c+1] x lanes/2."""
+    return _shuf(b, v16, [2 * c] * (lanes // 2) + [2 * c + 1] * (lanes // 2))
+
+
+def _weights(b: ir.IRBuilder, u: ir.Value, off: int, ws: ir.Value, ms, c: int) -> ir.Value:
+    """float32 weights of chunk c, as gguf-py computes them: (scale * q) - min."""
+    q = b.sub(u, _cv(_I8, [off] * 32)) if off else u
+    w = b.fmul(_spread(b, ws, c, 32), b.sitofp(q, _vt(_F32, 32)))
+    return b.fsub(w, _spread(b, ms, c, 32)) if ms is not None else w
+
+
+def _pairsum(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """<2n x i32> -> <n x i32> sums of adjacent lanes."""
+    n = v.type.count
+    return b.add(_shuf(b, v, list(range(0, n, 2))), _shuf(b, v, list(range(1, n, 2))))
+
+
+def _dot64_generic(b: ir.IRBuilder, u: ir.Value, off: int, x: ir.Value) -> ir.Value:
+    """<64 x i8> quants (minus off) . <64 x i8> activations -> <16 x i32>, lane i = sum of elements 4i..4i+3.
+    Products as even/odd pair sums of sign-extended lanes, which LLVM turns into vpmaddwd where it can."""
+    q = b.sext(b.sub(u, _cv(_I8, [off] * 64)) if off else u, _vt(_I32, 64))
+    return _pairsum(b, _pairsum(b, b.mul(q, b.sext(x, _vt(_I32, 64)))))
+
+
+def _dot64_vnni(b: ir.IRBuilder, u: ir.Value, off: int, x: ir.Value) -> ir.Value:
+    """The same with AVX512-VNNI vpdpbusd (unsigned quants x signed activations, 4 products per i32 lane);
+    the offset comes off as off * sum(x) from a second vpdpbusd, so integer sums stay exact."""
+    v16 = _vt(_I32, 16)
+    fn = _fn(b, "llvm.x86.avx512.vpdpbusd.512", v16, [v16] * 3)
+    zero = ir.Constant(v16, [0] * 16)
+    xi = b.bitcast(x, v16)
+    r = b.call(fn, [zero, b.bitcast(u, v16), xi])
+    if off:
+        r = b.sub(r, b.call(fn, [zero, ir.Constant(v16, [off * 0x01010101] * 16), xi]))
+    return r
+
+
+def _host_has_vnni512() -> bool:
+    """Whether numba compiles for a CPU with AVX512-VNNI (host CPU unless NUMBA_CPU_NAME/FEATURES say else)."""
+    from numba.core import config
+
+    if config.CPU_FEATURES is not None:
+        feats = config.CPU_FEATURES
+    elif config.CPU_NAME not in (None, "host"):
+        return False  # a named (portable) target: stay generic
+    else:
+        feats = llvm_binding.get_host_cpu_features().flatten()
+    have = {f[1:] for f in feats.split(",") if f.startswith("+")}
+    return {"avx512f", "avx512bw", "avx512vnni"} <= have
+
+
+def _prefetch(b: ir.IRBuilder, blk: ir.Value, bs: int) -> None:
+    fn = _fn(b, "llvm.prefetch.p0", ir.VoidType(), [_PI8, _I32, _I32, _I32])
+    for off in range(0, bs, 64):
+        p = b.gep(blk, [ir.Constant(_I64, PREFETCH_BYTES + off)])
+        b.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+
+def _zeros(b: ir.IRBuilder, n: int, count: int) -> list:
+    accs = []
+    for _ in range(count):
+        a = cgutils.alloca_once(b, _vt(_F32, n))
+        b.store(ir.Constant(_vt(_F32, n), [0.0] * n), a)
+        accs.append(a)
+    return accs
+
+
+def _make_kernels(name: str, bs: int, unpack, vnni: bool):
+    """Build the three row intrinsics of one type: dequant(w, out, nb), dot_f32(w, x, nb), dot_q8(w, xq, xd,
+    xs, nb). nb is the number of super-blocks; callers check the array sizes."""
+    dot64 = _dot64_vnni if vnni else _dot64_generic
+
+    def dequant(typingctx, w, out, nb):
+        def codegen(context, builder, sig, args):
+            b = builder
+            wp = _data_ptr(context, b, sig.args[0], args[0], _I8)
+            op = _data_ptr(context, b, sig.args[1], args[1], _F32)
+            with cgutils.for_range(b, args[2]) as loop:
+                i = loop.index
+                q, off, ws, ms = unpack(_Block(b, b.gep(wp, [b.mul(i, ir.Constant(_I64, bs))])))
+                for c in range(8):
+                    p = b.gep(op, [b.add(b.mul(i, ir.Constant(_I64, QK)), ir.Constant(_I64, 32 * c))])
+                    b.store(_weights(b, q[c], off, ws, ms, c), b.bitcast(p, _vt(_F32, 32).as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(w, out, nb), codegen
+
+    def dot_f32(typingctx, w, x, nb):
+        def codegen(context, builder, sig, args):
+            b = builder
+            wp = _data_ptr(context, b, sig.args[0], args[0], _I8)
+            xp = _data_ptr(context, b, sig.args[1], args[1], _F32)
+            accs = _zeros(b, 32, 4)
+            with cgutils.for_range(b, args[2]) as loop:
+                i = loop.index
+                blk = b.gep(wp, [b.mul(i, ir.Constant(_I64, bs))])
+                _prefetch(b, blk, bs)
+                q, off, ws, ms = unpack(_Block(b, blk))
+                for c in range(8):
+                    p = b.gep(xp, [b.add(b.mul(i, ir.Constant(_I64, QK)), ir.Constant(_I64, 32 * c))])
+                    xv = b.load(b.bitcast(p, _vt(_F32, 32).as_pointer()), align=4)
+                    a = accs[c % 4]
+                    b.store(_fma(b, _weights(b, q[c], off, ws, ms, c), xv, b.load(a)), a)
+            v = [b.load(a) for a in accs]
+            return _hsum(b, b.fadd(b.fadd(v[0], v[1]), b.fadd(v[2], v[3])))
+
+        return types.float32(w, x, nb), codegen
+
+    def dot_q8(typingctx, w, xq, xd, xs, nb):
+        def codegen(context, builder, sig, args):
+            b = builder
+            wp = _data_ptr(context, b, sig.args[0], args[0], _I8)
+            qp = _data_ptr(context, b, sig.args[1], args[1], _I8)
+            dp = _data_ptr(context, b, sig.args[2], args[2], _F32)
+            sp = _data_ptr(context, b, sig.args[3], args[3], _F32)
+            accs = _zeros(b, 16, 5)  # four for the products, one for the min terms
+            with cgutils.for_range(b, args[4]) as loop:
+                i = loop.index
+                blk = b.gep(wp, [b.mul(i, ir.Constant(_I64, bs))])
+                _prefetch(b, blk, bs)
+                q, off, ws, ms = unpack(_Block(b, blk))
+                xd8 = b.load(b.bitcast(b.gep(dp, [b.mul(i, ir.Constant(_I64, 8))]), _vt(_F32, 8).as_pointer()),
+                             align=4)
+                f16 = b.fmul(ws, _pair16(b, xd8))  # weight scale x activation scale, per group of 16
+                xq0 = b.gep(qp, [b.mul(i, ir.Constant(_I64, QK))])
+                for p in range(4):  # 64 elements (two chunks, four groups of 16) per step
+                    xv = b.load(b.bitcast(b.gep(xq0, [ir.Constant(_I64, 64 * p)]), _vt(_I8, 64).as_pointer()),
+                                align=1)
+                    u = b.shuffle_vector(q[2 * p], q[2 * p + 1], _cv(_I32, list(range(64))))
+                    isum = b.sitofp(dot64(b, u, off, xv), _vt(_F32, 16))
+                    scale = _shuf(b, f16, [4 * p + lane // 4 for lane in range(16)])
+                    b.store(_fma(b, isum, scale, b.load(accs[p])), accs[p])
+                if ms is not None:
+                    xs16 = b.load(b.bitcast(b.gep(sp, [b.mul(i, ir.Constant(_I64, 16))]),
+                                            _vt(_F32, 16).as_pointer()), align=4)
+                    b.store(_fma(b, ms, xs16, b.load(accs[4])), accs[4])
+            v = [b.load(a) for a in accs]
+            return _hsum(b, b.fsub(b.fadd(b.fadd(v[0], v[1]), b.fadd(v[2], v[3])), v[4]))
+
+        return types.float32(w, xq, xd, xs, nb), codegen
+
+    out = []
+    for f in (dequant, dot_f32, dot_q8):
+        f.__name__ = f.__qualname__ = f"_ir_{f.__name__}_{name}{'_vnni' if vnni else ''}"
+        out.append(intrinsic(f))
+    return out
+
+
+# ---- argument checks: one per row, noise next to a row of 1-4 KB; needed, since the IR reads without bounds
+# checks. They take shapes and strides, not arrays: an inlined helper taking arrays costs an NRT incref/decref
+# pair per array per call (the raise paths defeat numba's refcount pruning), which measured 3.6x slower rows.
+
+@njit(cache=True, nogil=True, inline="always")
+def _nblocks(wlen, wstride, bs, n, nstride, itemsize):
+    """Super-blocks in a row of wlen bytes, checked against a companion vector of n elements."""
+    nb = wlen // bs
+    if wlen != nb * bs or wstride != 1:
+        raise StrataError("K-quant row: byte length is not a whole number of contiguous blocks")
+    if n != nb * QK or nstride != itemsize:
+        raise StrataError("K-quant row: activation/output vector does not match the row or is not contiguous")
+    return nb
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _check_scales(nb, xdlen, xdstride, xslen, xsstride):
+    if xdlen < nb * 8 or xslen < nb * 16 or xdstride != 4 or xsstride != 4:
+        raise StrataError("K-quant row: activation scales/sums are short or not contiguous")
+
+
+# ---- public kernels
+
+VNNI = _host_has_vnni512()
+
+_deq_q2_k, _f32_q2_k, _q8_q2_k = _make_kernels("q2_k", 84, _unpack_q2_k, VNNI)
+_deq_q3_k, _f32_q3_k, _q8_q3_k = _make_kernels("q3_k", 110, _unpack_q3_k, VNNI)
+_deq_q4_k, _f32_q4_k, _q8_q4_k = _make_kernels("q4_k", 144, _unpack_q4_k, VNNI)
+_deq_q5_k, _f32_q5_k, _q8_q5_k = _make_kernels("q5_k", 176, _unpack_q5_k, VNNI)
+_deq_q6_k, _f32_q6_k, _q8_q6_k = _make_kernels("q6_k", 210, _unpack_q6_k, VNNI)
+
+
+@njit(cache=True, nogil=True)
+def dequant_q2_k(w, out):
+    _deq_q2_k(w, out, _nblocks(w.shape[0], w.strides[0], 84, out.shape[0], out.strides[0], 4))
+
+
+@njit(cache=True, nogil=True)
+def dot_f32_q2_k(w, x):
+    return _f32_q2_k(w, x, _nblocks(w.shape[0], w.strides[0], 84, x.shape[0], x.strides[0], 4))
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q2_k(w, xq, xd, xs):
+    nb = _nblocks(w.shape[0], w.strides[0], 84, xq.shape[0], xq.strides[0], 1)
+    _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
+    return _q8_q2_k(w, xq, xd, xs, nb)
+
+
+@njit(cache=True, nogil=True)
+def dequant_q3_k(w, out):
+    _deq_q3_k(w, out, _nblocks(w.shape[0], w.strides[0], 110, out.shape[0], out.strides[0], 4))
+
+
+@njit(cache=True, nogil=True)
+def dot_f32_q3_k(w, x):
+    return _f32_q3_k(w, x, _nblocks(w.shape[0], w.strides[0], 110, x.shape[0], x.strides[0], 4))
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q3_k(w, xq, xd, xs):
+    nb = _nblocks(w.shape[0], w.strides[0], 110, xq.shape[0], xq.strides[0], 1)
+    _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
+    return _q8_q3_k(w, xq, xd, xs, nb)
+
+
+@njit(cache=True, nogil=True)
+def dequant_q4_k(w, out):
+    _deq_q4_k(w, out, _nblocks(w.shape[0], w.strides[0], 144, out.shape[0], out.strides[0], 4))
+
+
+@njit(cache=True, nogil=True)
+def dot_f32_q4_k(w, x):
+    return _f32_q4_k(w, x, _nblocks(w.shape[0], w.strides[0], 144, x.shape[0], x.strides[0], 4))
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q4_k(w, xq, xd, xs):
+    nb = _nblocks(w.shape[0], w.strides[0], 144, xq.shape[0], xq.strides[0], 1)
+    _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
+    return _q8_q4_k(w, xq, xd, xs, nb)
+
+
+@njit(cache=True, nogil=True)
+def dequant_q5_k(w, out):
+    _deq_q5_k(w, out, _nblocks(w.shape[0], w.strides[0], 176, out.shape[0], out.strides[0], 4))
+
+
+@njit(cache=True, nogil=True)
+def dot_f32_q5_k(w, x):
+    return _f32_q5_k(w, x, _nblocks(w.shape[0], w.strides[0], 176, x.shape[0], x.strides[0], 4))
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q5_k(w, xq, xd, xs):
+    nb = _nblocks(w.shape[0], w.strides[0], 176, xq.shape[0], xq.strides[0], 1)
+    _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
+    return _q8_q5_k(w, xq, xd, xs, nb)
+
+
+@njit(cache=True, nogil=True)
+def dequant_q6_k(w, out):
+    _deq_q6_k(w, out, _nblocks(w.shape[0], w.strides[0], 210, out.shape[0], out.strides[0], 4))
+
+
+@njit(cache=True, nogil=True)
+def dot_f32_q6_k(w, x):
+    return _f32_q6_k(w, x, _nblocks(w.shape[0], w.strides[0], 210, x.shape[0], x.strides[0], 4))
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q6_k(w, xq, xd, xs):
+    nb = _nblocks(w.shape[0], w.strides[0], 210, xq.shape[0], xq.strides[0], 1)
+    _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
+    return _q8_q6_k(w, xq, xd, xs, nb)

@@ -1,0 +1,441 @@
+"""Legacy GGML quants (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): row dequant and row dots as LLVM vector IR.
+
+Blocks of 32 elements (ggml-quants.c): an fp16 scale d, for Q4_1/Q5_1 an fp16 min m, for Q5_* 32 high bits,
+then the quants. Element j of a nibble block is the low nibble of byte j, element j+16 its high nibble; the Q5
+high bit of element j is bit j of the little-endian qh word. Values: d*q (q signed) or d*q + m (q unsigned).
+
+Each block is decoded in registers to 32 small integers q = u - o (<32 x i8> u unsigned, o a constant) plus d
+(and m); three loops share that decoder:
+  dequant: out = d*q (+ m), the same float ops as gguf-py, so the result is bit-exact
+  dot_f32: sum of (d*q (+ m)) * x, float32 fma into 4 independent accumulators (the accuracy reference)
+  dot_q8:  sum of d*xd[b] * (q . xq) (+ m * exact float sum of x), integer sums exact, converted to float once
+           per block. With AVX512-VNNI two blocks per step: one vpdpbusd of u against 64 int8 activations, minus
+           o * sum(xq) from a second one. Otherwise one block per step, vpmaddwd on sign-extended lanes (AVX-512
+           or AVX2 intrinsic), or the generic even/odd i16 product pattern on other targets.
+Rows stream from DRAM, so the loops prefetch PREFETCH_BYTES ahead of the block being read (rows of a matrix
+are contiguous, so this runs on into the next row).
+"""
+from __future__ import annotations
+
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from strata_nb.cpu_kernels.ir import array_byte_ptr
+from strata_nb.cpu_kernels.qtypes import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+
+PREFETCH_BYTES = 2048
+UNROLL = 4  # blocks per loop iteration, one accumulator each
+
+_I1, _I8, _I16, _I32, _I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_F32 = ir.FloatType()
+_PI8, _PF32 = _I8.as_pointer(), _F32.as_pointer()
+
+
+def _vec(t: ir.Type, n: int) -> ir.VectorType:
+    return ir.VectorType(t, n)
+
+
+def _c(v: int) -> ir.Constant:
+    """i64 constant (offsets and indices)."""
+    return ir.Constant(_I64, v)
+
+
+def _splat(b: ir.IRBuilder, v: ir.Value, n: int) -> ir.Value:
+    vt = _vec(v.type, n)
+    one = b.insert_element(ir.Constant(vt, ir.Undefined), v, ir.Constant(_I32, 0))
+    return b.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(_vec(_I32, n), [0] * n))
+
+
+def _const_vec(t: ir.Type, n: int, v: int) -> ir.Constant:
+    return ir.Constant(_vec(t, n), [v] * n)
+
+
+def _shuffle(b: ir.IRBuilder, a: ir.Value, c: ir.Value | None, idx: list[int]) -> ir.Value:
+    c = ir.Constant(a.type, ir.Undefined) if c is None else c
+    return b.shuffle_vector(a, c, ir.Constant(_vec(_I32, len(idx)), idx))
+
+
+def _load(b: ir.IRBuilder, base: ir.Value, off: ir.Value, ty: ir.Type, align: int = 1) -> ir.Value:
+    p = b.gep(base, [off])
+    return b.load(b.bitcast(p, ty.as_pointer()), align=align)
+
+
+def _load_half(b: ir.IRBuilder, base: ir.Value, off: ir.Value) -> ir.Value:
+    h = _load(b, base, off, _I16)
+    return b.fpext(b.bitcast(h, ir.HalfType()), _F32)
+
+
+def _intrinsic_fn(b: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
+    return cgutils.get_or_insert_function(b.module, ir.FunctionType(ret, args), name)
+
+
+def _fma(b: ir.IRBuilder, x: ir.Value, y: ir.Value, z: ir.Value) -> ir.Value:
+    n = x.type.count
+    fn = _intrinsic_fn(b, f"llvm.fma.v{n}f32", x.type, [x.type] * 3)
+    return b.call(fn, [x, y, z])
+
+
+def _prefetch(b: ir.IRBuilder, base: ir.Value, off: ir.Value) -> None:
+    fn = _intrinsic_fn(b, "llvm.prefetch.p0", ir.VoidType(), [_PI8, _I32, _I32, _I32])
+    b.call(fn, [b.gep(base, [off]), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+
+def _hsum(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """Horizontal float sum by halving (a fixed, reproducible order)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        v = b.fadd(_shuffle(b, v, None, list(range(n))), _shuffle(b, v, None, list(range(n, 2 * n))))
+    return b.extract_element(v, ir.Constant(_I32, 0))
+
+
+# ---- block decoders: (builder, block pointer) -> (q <32 x i8>, d float, m float or None) ----
+
+def _nibbles(b: ir.IRBuilder, blk: ir.Value, off: int) -> ir.Value:
+    raw = _load(b, blk, _c(off), _vec(_I8, 16))
+    lo = b.and_(raw, _const_vec(_I8, 16, 0x0F))
+    hi = b.lshr(raw, _const_vec(_I8, 16, 4))
+    return _shuffle(b, lo, hi, list(range(32)))
+
+
+def _high_bits(b: ir.IRBuilder, blk: ir.Value, off: int) -> ir.Value:
+    """0x10 in lane j where bit j of the little-endian 32-bit word at off is set."""
+    qh = _load(b, blk, _c(off), _I32)
+    bits = b.bitcast(qh, _vec(_I1, 32))
+    return b.shl(b.zext(bits, _vec(_I8, 32)), _const_vec(_I8, 32, 4))
+
+
+def _dec_q4_0(b, blk):
+    return _nibbles(b, blk, 2), 8, _load_half(b, blk, _c(0)), None
+
+
+def _dec_q4_1(b, blk):
+    return _nibbles(b, blk, 4), 0, _load_half(b, blk, _c(0)), _load_half(b, blk, _c(2))
+
+
+def _dec_q5_0(b, blk):
+    u = b.or_(_nibbles(b, blk, 6), _high_bits(b, blk, 2))
+    return u, 16, _load_half(b, blk, _c(0)), None
+
+
+def _dec_q5_1(b, blk):
+    u = b.or_(_nibbles(b, blk, 8), _high_bits(b, blk, 4))
+    return u, 0, _load_half(b, blk, _c(0)), _load_half(b, blk, _c(2))
+
+
+def _dec_q8_0(b, blk):
+    q = _load(b, blk, _c(2), _vec(_I8, 32))
+    return b.xor(q, _const_vec(_I8, 32, 0x80)), 128, _load_half(b, blk, _c(0)), None
+
+
+# qtype -> (decoder, bytes per block). A decoder returns (u, o, d, m): quants q = u - o with u unsigned
+# (<32 x i8> bits) and o a constant, so that u fits vpdpbusd's unsigned operand; scale d; min m or None.
+_DECODERS = {
+    Q4_0: (_dec_q4_0, 18), Q4_1: (_dec_q4_1, 20), Q5_0: (_dec_q5_0, 22), Q5_1: (_dec_q5_1, 24),
+    Q8_0: (_dec_q8_0, 34),
+}
+
+
+def _decode_signed(decode, b: ir.IRBuilder, blk: ir.Value):
+    """(q, d, m) with q = u - o as signed <32 x i8> (wraps back to the stored int8 for Q8_0)."""
+    u, o, d, m = decode(b, blk)
+    return (b.sub(u, _const_vec(_I8, 32, o)) if o else u), d, m
+
+
+def _dequant_vec(b: ir.IRBuilder, q: ir.Value, d: ir.Value, m: ir.Value | None) -> ir.Value:
+    v = b.fmul(b.sitofp(q, _vec(_F32, 32)), _splat(b, d, 32))
+    return v if m is None else b.fadd(v, _splat(b, m, 32))
+
+
+def _host_features() -> set[str]:
+    """Features numba compiles for (the host CPU unless NUMBA_CPU_NAME/NUMBA_CPU_FEATURES say otherwise)."""
+    from numba.core import config
+
+    if config.CPU_FEATURES is not None:
+        feats = config.CPU_FEATURES
+    elif config.CPU_NAME not in (None, "host"):
+        return set()  # a named (portable) target: stay generic
+    else:
+        feats = llvm_binding.get_host_cpu_features().flatten()
+    return {f[1:] for f in feats.split(",") if f.startswith("+")}
+
+
+_FEATURES = _host_features()
+
+
+def _int_dot(b: ir.IRBuilder, q: ir.Value, xq: ir.Value) -> ir.Value:
+    """<16 x i32> sums of adjacent pairs of q*xq (vpmaddwd on sign-extended i16 lanes).
+
+    The x86 intrinsic where the target has it: from the generic even/odd pattern LLVM narrows the i8 x i8
+    products to i16 multiplies and shuffles (vpmullw + vpmovdw...), 2-3x slower than vpmaddwd."""
+    a = b.sext(q, _vec(_I16, 32))
+    c = b.sext(xq, _vec(_I16, 32))
+    if {"avx512f", "avx512bw"} <= _FEATURES:
+        fn = _intrinsic_fn(b, "llvm.x86.avx512.pmaddw.d.512", _vec(_I32, 16), [_vec(_I16, 32)] * 2)
+        return b.call(fn, [a, c])
+    if "avx2" in _FEATURES:
+        fn = _intrinsic_fn(b, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [_vec(_I16, 16)] * 2)
+        lo, hi = list(range(16)), list(range(16, 32))
+        r0 = b.call(fn, [_shuffle(b, a, None, lo), _shuffle(b, c, None, lo)])
+        r1 = b.call(fn, [_shuffle(b, a, None, hi), _shuffle(b, c, None, hi)])
+        return _shuffle(b, r0, r1, list(range(16)))
+    even, odd = list(range(0, 32, 2)), list(range(1, 32, 2))
+    v32 = _vec(_I32, 16)
+    ae, ao = b.sext(_shuffle(b, a, None, even), v32), b.sext(_shuffle(b, a, None, odd), v32)
+    ce, co = b.sext(_shuffle(b, c, None, even), v32), b.sext(_shuffle(b, c, None, odd), v32)
+    return b.add(b.mul(ae, ce), b.mul(ao, co))
+
+
+def _row_loop(b: ir.IRBuilder, w: ir.Value, nblk: ir.Value, bb: int, acc_types: list[ir.Type],
+              step) -> list[ir.Value]:
+    """Loop over nblk blocks of bb bytes, UNROLL per iteration, prefetching ahead of w.
+
+    step(builder, block index, block pointer, accumulator values, lane) -> new accumulator values; lane selects
+    one of UNROLL independent accumulator sets. Returns the final values of every set, flattened lane-major.
+    """
+    slots = [[cgutils.alloca_once_value(b, ir.Constant(t, None)) for t in acc_types] for _ in range(UNROLL)]
+
+    def do_block(i, lane):
+        blk = b.gep(w, [b.mul(i, _c(bb))])
+        new = step(b, i, blk, [b.load(s) for s in slots[lane]], lane)
+        for s, v in zip(slots[lane], new):
+            b.store(v, s)
+
+    n_iter = b.udiv(nblk, _c(UNROLL))
+    with cgutils.for_range(b, n_iter) as loop:
+        i0 = b.mul(loop.index, _c(UNROLL))
+        base = b.add(b.mul(i0, _c(bb)), _c(PREFETCH_BYTES))
+        for line in range(0, UNROLL * bb, 64):
+            _prefetch(b, w, b.add(base, _c(line)))
+        for lane in range(UNROLL):
+            do_block(b.add(i0, _c(lane)), lane)
+    with cgutils.for_range(b, nblk, start=b.mul(n_iter, _c(UNROLL))) as loop:
+        do_block(loop.index, 0)
+    return [b.load(s) for lane in slots for s in lane]
+
+
+def _qtype_of(qt) -> int:
+    if not isinstance(qt, types.IntegerLiteral) or qt.literal_value not in _DECODERS:
+        raise TypeError("legacy quant kernels need a literal Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 type id")
+    return qt.literal_value
+
+
+@intrinsic(prefer_literal=True)
+def _ir_dequant(typingctx, w, out, nblk, qt):
+    decode, bb = _DECODERS[_qtype_of(qt)]
+
+    def codegen(context, builder, sig, args):
+        wp = array_byte_ptr(context, builder, sig.args[0], args[0])
+        op = builder.bitcast(array_byte_ptr(context, builder, sig.args[1], args[1]), _PF32)
+
+        def step(b, i, blk, accs, lane):
+            q, d, m = _decode_signed(decode, b, blk)
+            dst = b.bitcast(b.gep(op, [b.mul(i, _c(32))]), _vec(_F32, 32).as_pointer())
+            b.store(_dequant_vec(b, q, d, m), dst, align=4)
+            return []
+
+        _row_loop(builder, wp, builder.sext(args[2], _I64), bb, [], step)
+        return context.get_dummy_value()
+
+    return types.void(w, out, types.int64, qt), codegen
+
+
+@intrinsic(prefer_literal=True)
+def _ir_dot_f32(typingctx, w, x, nblk, qt):
+    decode, bb = _DECODERS[_qtype_of(qt)]
+
+    def codegen(context, builder, sig, args):
+        wp = array_byte_ptr(context, builder, sig.args[0], args[0])
+        xp = array_byte_ptr(context, builder, sig.args[1], args[1])
+
+        def step(b, i, blk, accs, lane):
+            q, d, m = _decode_signed(decode, b, blk)
+            xv = _load(b, xp, b.mul(i, _c(128)), _vec(_F32, 32), align=4)
+            return [_fma(b, _dequant_vec(b, q, d, m), xv, accs[0])]
+
+        accs = _row_loop(builder, wp, builder.sext(args[2], _I64), bb, [_vec(_F32, 32)], step)
+        tot = builder.fadd(builder.fadd(accs[0], accs[1]), builder.fadd(accs[2], accs[3]))
+        return _hsum(builder, tot)
+
+    return types.float32(w, x, types.int64, qt), codegen
+
+
+def _dpbusd(b: ir.IRBuilder, u: ir.Value, x: ir.Value) -> ir.Value:
+    """<16 x i32> sums of 4 adjacent products of unsigned u and signed x (<64 x i8> each): AVX512-VNNI."""
+    v16 = _vec(_I32, 16)
+    fn = _intrinsic_fn(b, "llvm.x86.avx512.vpdpbusd.512", v16, [v16] * 3)
+    return b.call(fn, [ir.Constant(v16, None), b.bitcast(u, v16), b.bitcast(x, v16)])
+
+
+@intrinsic(prefer_literal=True)
+def _ir_dot_q8(typingctx, w, xq, xd, xs, nblk, qt):
+    decode, bb = _DECODERS[_qtype_of(qt)]
+    has_min = decode in (_dec_q4_1, _dec_q5_1)
+    vnni = {"avx512f", "avx512bw", "avx512vnni"} <= _FEATURES
+
+    def codegen(context, builder, sig, args):
+        wp = array_byte_ptr(context, builder, sig.args[0], args[0])
+        qp = array_byte_ptr(context, builder, sig.args[1], args[1])
+        dp = builder.bitcast(array_byte_ptr(context, builder, sig.args[2], args[2]), _PF32)
+        sp = builder.bitcast(array_byte_ptr(context, builder, sig.args[3], args[3]), _PF32)
+        nblk = builder.sext(args[4], _I64)
+
+        def single(first):
+            """One block per step: vpmaddwd on sign-extended lanes; blocks counted from block first."""
+            def step(b, i, blk, accs, lane):
+                i = b.add(i, first)
+                q, d, m = _decode_signed(decode, b, blk)
+                xv = _load(b, qp, b.mul(i, _c(32)), _vec(_I8, 32))
+                isum = b.sitofp(_int_dot(b, q, xv), _vec(_F32, 16))
+                scale = b.fmul(d, b.load(b.gep(dp, [i]), align=4))
+                acc = _fma(b, isum, _splat(b, scale, 16), accs[0])
+                if m is None:
+                    return [acc]
+                i2 = b.mul(i, _c(2))
+                sx = b.fadd(b.load(b.gep(sp, [i2]), align=4), b.load(b.gep(sp, [b.add(i2, _c(1))]), align=4))
+                return [acc, b.fadd(accs[1], b.fmul(m, sx))]
+            return step
+
+        def pair(b, i, blk, accs, lane):
+            """Two blocks per step (i counts pairs): one vpdpbusd over 64 quants, lanes 0-7 block 2i."""
+            ua, o, da, ma = decode(b, blk)
+            ub, _, db, mb = decode(b, b.gep(blk, [_c(bb)]))
+            xv = _load(b, qp, b.mul(i, _c(64)), _vec(_I8, 64))
+            isum = _dpbusd(b, _shuffle(b, ua, ub, list(range(64))), xv)
+            if o:
+                isum = b.sub(isum, _dpbusd(b, _const_vec(_I8, 64, o), xv))
+            v2 = _vec(_F32, 2)
+            dd = b.insert_element(b.insert_element(ir.Constant(v2, ir.Undefined), da, _c(0)), db, _c(1))
+            xd2 = _load(b, b.bitcast(dp, _PI8), b.mul(i, _c(8)), v2, align=4)
+            scale = _shuffle(b, b.fmul(dd, xd2), None, [0] * 8 + [1] * 8)
+            acc = _fma(b, b.sitofp(isum, _vec(_F32, 16)), scale, accs[0])
+            if not has_min:
+                return [acc]
+            mm = b.insert_element(b.insert_element(ir.Constant(v2, ir.Undefined), ma, _c(0)), mb, _c(1))
+            sx = _load(b, b.bitcast(sp, _PI8), b.mul(i, _c(16)), _vec(_F32, 4), align=4)
+            sx2 = b.fadd(_shuffle(b, sx, None, [0, 2]), _shuffle(b, sx, None, [1, 3]))
+            return [acc, _fma(b, mm, sx2, accs[1])]
+
+        v16 = _vec(_F32, 16)
+        single_types = [v16] + ([_F32] if has_min else [])
+        if vnni:
+            npair = builder.udiv(nblk, _c(2))
+            accs = _row_loop(builder, wp, npair, 2 * bb, [v16] + ([_vec(_F32, 2)] if has_min else []), pair)
+            first = builder.mul(npair, _c(2))
+            tail = _row_loop(builder, builder.gep(wp, [builder.mul(first, _c(bb))]), builder.sub(nblk, first),
+                             bb, single_types, single(first))
+            accs = accs + tail
+        else:
+            accs = _row_loop(builder, wp, nblk, bb, single_types, single(_c(0)))
+        k = len(single_types)
+        vec = [accs[j] for j in range(0, len(accs), k)]
+        tot = vec[0]
+        for v in vec[1:]:
+            tot = builder.fadd(tot, v)
+        tot = _hsum(builder, tot)
+        if has_min:
+            for v in (accs[j] for j in range(1, len(accs), k)):
+                tot = builder.fadd(tot, _hsum(builder, v) if isinstance(v.type, ir.VectorType) else v)
+        return tot
+
+    return types.float32(w, xq, xd, xs, types.int64, qt), codegen
+
+
+# ---- shape checks: one compare per row (an IR loop past the end would read foreign memory). They take
+# lengths, not arrays: an array argument costs an NRT incref/decref pair per call, atomics that threads
+# sharing one activation row would contend on.
+
+@njit(cache=True, nogil=True, inline="always")
+def _nblk_f32(nw, nx, bb):
+    nblk = nw // bb
+    if nw != nblk * bb or nx != nblk * 32:
+        raise ValueError("row length does not match the activation/output length")
+    return nblk
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _nblk_q8(nw, nxq, nxd, nxs, bb):
+    nblk = nw // bb
+    if nw != nblk * bb or nxq != nblk * 32 or nxd != nblk or nxs != 2 * nblk:
+        raise ValueError("row length does not match the int8 activation layout")
+    return nblk
+
+
+# ---- public kernels: dequant_T(w, out), dot_f32_T(w, x), dot_q8_T(w, xq, xd, xs) ----
+
+@njit(cache=True, nogil=True)
+def dequant_q4_0(w, out):
+    _ir_dequant(w, out, _nblk_f32(w.size, out.size, 18), Q4_0)
+
+
+@njit(cache=True, nogil=True)
+def dequant_q4_1(w, out):
+    _ir_dequant(w, out, _nblk_f32(w.size, out.size, 20), Q4_1)
+
+
+@njit(cache=True, nogil=True)
+def dequant_q5_0(w, out):
+    _ir_dequant(w, out, _nblk_f32(w.size, out.size, 22), Q5_0)
+
+
+@njit(cache=True, nogil=True)
+def dequant_q5_1(w, out):
+    _ir_dequant(w, out, _nblk_f32(w.size, out.size, 24), Q5_1)
+
+
+@njit(cache=True, nogil=True)
+def dequant_q8_0(w, out):
+    _ir_dequant(w, out, _nblk_f32(w.size, out.size, 34), Q8_0)
+
+
+@njit(cache=True, nogil=True)
+def dot_f32_q4_0(w, x):
+    return _ir_dot_f32(w, x, _nblk_f32(w.size, x.size, 18), Q4_0)
+
+
+@njit(cache=True, nogil=True)
+def dot_f32_q4_1(w, x):
+    return _ir_dot_f32(w, x, _nblk_f32(w.size, x.size, 20), Q4_1)
+
+
+@njit(cache=True, nogil=True)
+def dot_f32_q5_0(w, x):
+    return _ir_dot_f32(w, x, _nblk_f32(w.size, x.size, 22), Q5_0)
+
+
+@njit(cache=True, nogil=True)
+def dot_f32_q5_1(w, x):
+    return _ir_dot_f32(w, x, _nblk_f32(w.size, x.size, 24), Q5_1)
+
+
+@njit(cache=True, nogil=True)
+def dot_f32_q8_0(w, x):
+    return _ir_dot_f32(w, x, _nblk_f32(w.size, x.size, 34), Q8_0)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q4_0(w, xq, xd, xs):
+    return _ir_dot_q8(w, xq, xd, xs, _nblk_q8(w.size, xq.size, xd.size, xs.size, 18), Q4_0)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q4_1(w, xq, xd, xs):
+    return _ir_dot_q8(w, xq, xd, xs, _nblk_q8(w.size, xq.size, xd.size, xs.size, 20), Q4_1)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q5_0(w, xq, xd, xs):
+    return _ir_dot_q8(w, xq, xd, xs, _nblk_q8(w.size, xq.size, xd.size, xs.size, 22), Q5_0)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q5_1(w, xq, xd, xs):
+    return _ir_dot_q8(w, xq, xd, xs, _nblk_q8(w.size, xq.size, xd.size, xs.size, 24), Q5_1)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q8_0(w, xq, xd, xs):
+    return _ir_dot_q8(w, xq, xd, xs, _nblk_q8(w.size, xq.size, xd.size, xs.size, 34), Q8_0)

@@ -1,0 +1,108 @@
+"""Model shapes for synthetic GGUF files: the tiny test models and published MoE shapes."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from strata_nb.errors import StrataError
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Hyperparameters of one synthetic model; `arch` is the GGUF architecture string llama.cpp reads."""
+
+    arch: str  # qwen3moe, qwen2moe, olmoe, llama (dense or Mixtral-style with experts), qwen2, qwen3
+    hidden: int
+    layers: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    ffn: int  # dense FFN width (feed_forward_length); for llama/olmoe with experts, the expert width
+    vocab: int | None = None  # None: exactly the trained BPE vocabulary (tiny models)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    expert_ffn: int = 0  # expert_feed_forward_length (qwen*moe); 0 where the arch uses `ffn`
+    shared_ffn: int = 0  # qwen2moe shared expert width
+    rope_base: float = 10000.0
+    rms_eps: float = 1e-6
+    context: int = 4096
+    yarn_factor: float = 0.0  # > 0: write rope.scaling.* keys for YaRN with original context `context / factor`
+    name: str = "synthetic"
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    @property
+    def moe_ffn(self) -> int:
+        """Width of one routed expert."""
+        return self.expert_ffn or self.ffn
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch in ("qwen3", "qwen3moe", "olmoe")
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.arch in ("qwen2", "qwen2moe")
+
+
+# Tiny models: hidden 256 and 4 layers so tests run in seconds. Widths are chosen so a Q4_K_M mix holds every
+# type a real Q4_K_M file does: expert/dense FFN widths of 160/640 are not multiples of 256, so their ffn_down
+# rows fall back from Q4_K/Q6_K to Q5_0/Q8_0 exactly as llama.cpp's quantizer does; 8 experts switch on the
+# n_expert == 8 rules (attn_k/attn_v Q8_0, attn_output Q5_K).
+TINY: dict[str, Shape] = {
+    # qwen3moe keeps the real model's head_dim * n_head != hidden (512 vs 256) to exercise attention.key_length.
+    "qwen3moe": Shape("qwen3moe", 256, 4, 8, 2, 64, 640, n_expert=8, n_expert_used=2, expert_ffn=160,
+                      rope_base=1e6, context=2048, name="tiny-qwen3moe"),
+    "qwen2moe": Shape("qwen2moe", 256, 4, 4, 2, 64, 640, n_expert=8, n_expert_used=2, expert_ffn=160,
+                      shared_ffn=320, rope_base=1e6, context=2048, name="tiny-qwen2moe"),
+    "olmoe": Shape("olmoe", 256, 4, 4, 4, 64, 160, n_expert=8, n_expert_used=2, rms_eps=1e-5, context=2048,
+                   name="tiny-olmoe"),
+    # Mixtral-style: arch "llama" with llama.expert_count; carries YaRN rope scaling (llama.cpp and the
+    # Mixtral model in transformers both honour it).
+    "mixtral": Shape("llama", 256, 4, 4, 2, 64, 160, n_expert=8, n_expert_used=2, rope_base=1e6, rms_eps=1e-5,
+                     context=1024, yarn_factor=4.0, name="tiny-mixtral"),
+    "qwen2": Shape("qwen2", 256, 4, 4, 2, 64, 640, rope_base=1e6, context=2048, name="tiny-qwen2"),
+    "qwen3": Shape("qwen3", 256, 4, 4, 2, 64, 640, rope_base=1e6, context=2048, name="tiny-qwen3"),
+    "llama": Shape("llama", 256, 4, 4, 2, 64, 640, rope_base=5e5, rms_eps=1e-5, context=2048, name="tiny-llama"),
+}
+
+# Published shapes (config.json of each model; vocab sizes are the embedding rows of the real checkpoints).
+PUBLISHED: dict[str, Shape] = {
+    "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 128, 6144, vocab=151936, n_expert=128, n_expert_used=8,
+                           expert_ffn=768, rope_base=1e6, context=40960, name="Qwen3-30B-A3B (synthetic)"),
+    "qwen3-235b-a22b": Shape("qwen3moe", 4096, 94, 64, 4, 128, 12288, vocab=151936, n_expert=128,
+                             n_expert_used=8, expert_ffn=1536, rope_base=1e6, context=40960,
+                             name="Qwen3-235B-A22B (synthetic)"),
+    "olmoe-1b-7b": Shape("olmoe", 2048, 16, 16, 16, 128, 1024, vocab=50304, n_expert=64, n_expert_used=8,
+                         rms_eps=1e-5, context=4096, name="OLMoE-1B-7B-0924 (synthetic)"),
+    "mixtral-8x7b": Shape("llama", 4096, 32, 32, 8, 128, 14336, vocab=32000, n_expert=8, n_expert_used=2,
+                          rope_base=1e6, rms_eps=1e-5, context=32768, name="Mixtral-8x7B (synthetic)"),
+}
+
+PRESETS: tuple[str, ...] = ("tiny", *PUBLISHED)
+TINY_ARCHS: tuple[str, ...] = tuple(TINY)
+
+
+def resolve(preset: str, arch: str | None = None, layers: int | None = None) -> Shape:
+    """The shape for a preset name; `arch` picks the tiny variant, `layers` overrides the depth."""
+    if preset == "tiny":
+        key = arch or "qwen3moe"
+        if key not in TINY:
+            raise StrataError(f"unknown tiny arch {key!r}; choose one of {', '.join(TINY)}")
+        shape = TINY[key]
+    elif preset in PUBLISHED:
+        shape = PUBLISHED[preset]
+        if arch is not None and arch not in (shape.arch, preset):
+            raise StrataError(f"preset {preset!r} has arch {shape.arch!r}; --arch applies to the tiny preset only")
+    else:
+        raise StrataError(f"unknown synth preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if layers is not None:
+        if layers < 1:
+            raise StrataError(f"layers must be >= 1, got {layers}")
+        shape = replace(shape, layers=layers)
+    return shape

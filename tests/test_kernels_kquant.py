@@ -1,0 +1,203 @@
+"""K-quant row kernels against gguf-py's dequantizers (an independent numpy implementation of the layouts).
+
+Blocks are random bytes with valid fp16 d/dmin in 1e-3..1e-1, so every bit pattern of the quants and packed
+scales is exercised. Tolerances (measured worst case on K=2048 rows in brackets):
+  dequant        bit-exact (same float32 operations as gguf-py)
+  dot_f32        |err| <= 1e-6 * sum|w_i x_i| against a float64 dot of the gguf row  [1.6e-8]
+  dot_q8         |err| <= 1e-6 * sum|terms| against float64 on the same int8 activations: the scale part on
+                 xd * xq, the min part on float x, as the kernel computes them  [1.6e-8]
+                 |err| <= 5e-3 * sum|w_i x_i| against the float64 dot on float x: the int8 rounding of x  [1.0e-3]
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf.quants import dequantize
+from numba import njit
+
+from strata_nb.cpu_kernels import dot_kquant as kq
+from strata_nb.cpu_kernels.actq import quantize
+from strata_nb.cpu_kernels.qtypes import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, row_bytes
+from strata_nb.errors import StrataError
+
+GT = gguf.GGMLQuantizationType
+# name -> (qtype id, gguf type, block bytes, fp16 offsets, quant byte range (zeroed to isolate the min term))
+TYPES = {
+    "q2_k": (Q2_K, GT.Q2_K, 84, (80, 82), (16, 80)),
+    "q3_k": (Q3_K, GT.Q3_K, 110, (108,), None),
+    "q4_k": (Q4_K, GT.Q4_K, 144, (0, 2), (16, 144)),
+    "q5_k": (Q5_K, GT.Q5_K, 176, (0, 2), (16, 176)),
+    "q6_k": (Q6_K, GT.Q6_K, 210, (208,), None),
+}
+NAMES = list(TYPES)
+
+
+def random_rows(name: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8[rows, row_bytes]: random quants and packed scales, valid positive fp16 d/dmin of sane size."""
+    _, _, bs, f16_offs, _ = TYPES[name]
+    nb = rows * (k // 256)
+    blocks = rng.integers(0, 256, (nb, bs), dtype=np.uint8)
+    for o in f16_offs:
+        blocks[:, o:o + 2] = rng.uniform(1e-3, 1e-1, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(rows, -1)
+
+
+def gguf_rows(name: str, w: np.ndarray) -> np.ndarray:
+    return dequantize(w, TYPES[name][1]).astype(np.float32).reshape(w.shape[0], -1)
+
+
+def q8_reference(name: str, w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float64 dots of rows w with the int8 activations of x[T, K], split as the kernel computes them:
+    the scale part on xd * xq, the min part on float x. Returns (dots[T, rows], sum|terms|[T, rows])."""
+    rows = w.shape[0]
+    full = gguf_rows(name, w).astype(np.float64)
+    qrange = TYPES[name][4]
+    if qrange is None:
+        mins = np.zeros_like(full)
+    else:  # zero quants: gguf gives -min per weight
+        nb = w.shape[1] // TYPES[name][2]
+        z = w.reshape(rows * nb, -1).copy()
+        z[:, qrange[0]:qrange[1]] = 0
+        mins = gguf_rows(name, z.reshape(rows, -1)).astype(np.float64)
+    scaled = full - mins
+    xq, xd, _ = quantize(x)
+    xa = xq.astype(np.float64) * np.repeat(xd.astype(np.float64), 32, axis=1)
+    x64 = x.astype(np.float64)
+    dots = xa @ scaled.T + x64 @ mins.T
+    mag = np.abs(xa) @ np.abs(scaled).T + np.abs(x64) @ np.abs(mins).T
+    return dots, mag
+
+
+@pytest.fixture(scope="module")
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dequant_matches_gguf_bit_exact(name, rng):
+    w = random_rows(name, 3, 1024, rng)
+    ref = gguf_rows(name, w)
+    deq = getattr(kq, f"dequant_{name}")
+    for r in range(w.shape[0]):
+        out = np.full(1024, np.nan, np.float32)
+        deq(w[r], out)
+        np.testing.assert_array_equal(out, ref[r])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dot_f32_matches_float64(name, rng):
+    w = random_rows(name, 6, 2048, rng)
+    ref = gguf_rows(name, w).astype(np.float64)
+    dot = getattr(kq, f"dot_f32_{name}")
+    for r in range(w.shape[0]):
+        x = rng.standard_normal(2048).astype(np.float32)
+        got = dot(w[r], x)
+        exact = ref[r] @ x
+        assert abs(got - exact) <= 1e-6 * (np.abs(ref[r]) @ np.abs(x)), (got, exact)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dot_q8_matches_int8_reference_and_float(name, rng):
+    w = random_rows(name, 8, 2048, rng)
+    x = (rng.standard_normal((3, 2048)) * rng.uniform(0.1, 10, (3, 1))).astype(np.float32)
+    xq, xd, xs = quantize(x)
+    same, mag = q8_reference(name, w, x)
+    ref = gguf_rows(name, w).astype(np.float64)
+    exact = x.astype(np.float64) @ ref.T
+    scale = np.abs(x.astype(np.float64)) @ np.abs(ref).T
+    dot = getattr(kq, f"dot_q8_{name}")
+    for t in range(x.shape[0]):
+        for r in range(w.shape[0]):
+            got = dot(w[r], xq[t], xd[t], xs[t])
+            assert abs(got - same[t, r]) <= 1e-6 * mag[t, r], (got, same[t, r])
+            assert abs(got - exact[t, r]) <= 5e-3 * scale[t, r], (got, exact[t, r])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dot_q8_generic_ir_path(name, rng):
+    """The portable integer-dot IR (used where numba's target lacks AVX512-VNNI) gives the same results."""
+    bs = TYPES[name][2]
+    _, _, q8 = kq._make_kernels(name, bs, getattr(kq, f"_unpack_{name}"), False)
+
+    @njit
+    def dot(w, xq, xd, xs):
+        return q8(w, xq, xd, xs, w.shape[0] // bs)
+
+    w = random_rows(name, 4, 1024, rng)
+    x = rng.standard_normal((2, 1024)).astype(np.float32)
+    xq, xd, xs = quantize(x)
+    same, mag = q8_reference(name, w, x)
+    for t in range(2):
+        for r in range(4):
+            got = dot(w[r], xq[t], xd[t], xs[t])
+            assert abs(got - same[t, r]) <= 1e-6 * mag[t, r], (got, same[t, r])
+
+
+@pytest.mark.parametrize("name", ["q4_k", "q6_k"])
+def test_bad_lengths_raise(name, rng):
+    w = random_rows(name, 1, 512, rng)[0]
+    x = rng.standard_normal(512).astype(np.float32)
+    xq, xd, xs = quantize(x[None])
+    with pytest.raises(StrataError):
+        getattr(kq, f"dot_f32_{name}")(w, x[:256])
+    with pytest.raises(StrataError):
+        getattr(kq, f"dot_f32_{name}")(w[:-1], x)
+    with pytest.raises(StrataError):
+        getattr(kq, f"dot_q8_{name}")(w, xq[0, :256], xd[0], xs[0])
+    with pytest.raises(StrataError):
+        getattr(kq, f"dequant_{name}")(w, np.empty(256, np.float32))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_drivers(name, rng):
+    from strata_nb.cpu_kernels.matmul import dequant_rows, matmul_f32, matmul_q8, moe_matmul
+
+    qtype = TYPES[name][0]
+    rows, k = 40, 512  # 40 rows: a partial last task of ROWS_PER_TASK
+    w = random_rows(name, rows, k, rng)
+    assert w.shape[1] == row_bytes(qtype, k)
+    ref = gguf_rows(name, w).astype(np.float64)
+
+    for ntok in (1, 5):
+        x = rng.standard_normal((ntok, k)).astype(np.float32)
+        exact = x.astype(np.float64) @ ref.T
+        scale = np.abs(x.astype(np.float64)) @ np.abs(ref).T
+        out = np.full((ntok, rows), np.nan, np.float32)
+        matmul_f32(qtype, w, x, out)
+        assert np.all(np.abs(out - exact) <= 1e-6 * scale)
+        xq, xd, xs = quantize(x)
+        same, mag = q8_reference(name, w, x)
+        out = np.full((ntok, rows), np.nan, np.float32)
+        matmul_q8(qtype, w, x, xq, xd, xs, out)
+        assert np.all(np.abs(out - same) <= 1e-6 * mag)
+
+    # three experts of 40 rows in one buffer at byte offsets (not in order), tokens routed unevenly
+    experts = [random_rows(name, rows, k, rng) for _ in range(3)]
+    rb = w.shape[1]
+    buf = np.zeros(7 * rows * rb, np.uint8)
+    base = np.array([4 * rows * rb, 0, 2 * rows * rb], np.int64)
+    for g in range(3):
+        buf[base[g]:base[g] + rows * rb] = experts[g].reshape(-1)
+    x = rng.standard_normal((4, k)).astype(np.float32)
+    xq, xd, xs = quantize(x)
+    grp_start = np.array([0, 2, 3, 6], np.int64)
+    tok_idx = np.array([0, 3, 1, 0, 2, 3], np.int64)
+    for fast in (False, True):
+        out = np.full((6, rows), np.nan, np.float32)
+        moe_matmul(fast, qtype, buf, base, rows, rb, grp_start, tok_idx, x, xq, xd, xs, out)
+        for g in range(3):
+            for j in range(grp_start[g], grp_start[g + 1]):
+                t = tok_idx[j]
+                if fast:
+                    same, mag = q8_reference(name, experts[g], x[t:t + 1])
+                    assert np.all(np.abs(out[j] - same[0]) <= 1e-6 * mag[0])
+                else:
+                    eref = gguf_rows(name, experts[g]).astype(np.float64)
+                    exact = eref @ x[t].astype(np.float64)
+                    assert np.all(np.abs(out[j] - exact) <= 1e-6 * (np.abs(eref) @ np.abs(x[t])))
+
+    ids = np.array([3, 0, 39], np.int64)
+    out = np.full((3, k), np.nan, np.float32)
+    dequant_rows(qtype, w, ids, out)
+    np.testing.assert_array_equal(out, ref[ids].astype(np.float32))

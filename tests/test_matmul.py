@@ -1,0 +1,150 @@
+"""The matrix drivers (cpu_kernels/matmul.py) against numpy float64 on gguf-py's dequantized weights.
+
+Checks that every row, token and expert lands where it belongs, for every quant type the dispatch table
+supports, on shapes that are not a multiple of the 16-row task block. Outputs are poisoned with NaN first.
+Tolerances: float32 path 1e-5 * (|W| @ |x|) against the float64 product; int8 path 2e-2 * (|W| @ |x|) against
+the float64 product on float x (the int8 rounding of x; the row kernels' own tests bound it tightly) and
+1e-6 relative against the same row kernel called one row at a time (the driver must not change the result).
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf.quants import dequantize
+from numba import njit
+
+from strata_nb.cpu_kernels.actq import quantize
+from strata_nb.cpu_kernels.matmul import dequant_rows, matmul_f32, matmul_q8, moe_matmul
+from strata_nb.cpu_kernels.qtypes import FLOAT_TYPES, Q8_0, QUANT_INFO, SUPPORTED, row_bytes
+from strata_nb.cpu_kernels.rowdot import dot_q8
+
+ROWS = 37  # two full 16-row tasks and a partial one
+K = 256  # the smallest K-quant row
+# byte offsets of the fp16 scale/min fields inside one block (ggml-common.h block layouts)
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+               "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+TYPES = [pytest.param(q, id=QUANT_INFO[q][0]) for q in SUPPORTED]
+
+
+def random_matrix(qtype: int, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8[rows, row_bytes]: random quants with finite fp16 scales, or random normal float weights."""
+    name, blk, bb = QUANT_INFO[qtype]
+    if qtype in FLOAT_TYPES:
+        v = rng.standard_normal((rows, k)).astype(np.float32)
+        v = {"F32": v, "F16": v.astype(np.float16), "BF16": (v.view(np.uint32) >> 16).astype(np.uint16)}[name]
+        return v.view(np.uint8).reshape(rows, -1)
+    nb = rows * k // blk
+    blocks = rng.integers(0, 256, (nb, bb), dtype=np.uint8)
+    for off in FP16_FIELDS[name]:
+        v = rng.uniform(1e-3, 1e-1, nb) * rng.choice([-1.0, 1.0], nb)
+        blocks[:, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(rows, -1)
+
+
+def gguf_matrix(qtype: int, w: np.ndarray) -> np.ndarray:
+    gt = gguf.GGMLQuantizationType(qtype)
+    return dequantize(w.reshape(-1), gt).astype(np.float64).reshape(w.shape[0], -1)
+
+
+@njit(cache=True)
+def _rowwise_q8(qtype, w, xq, xd, xs, out):
+    for t in range(xq.shape[0]):
+        for r in range(w.shape[0]):
+            out[t, r] = dot_q8(qtype, w[r], xq[t], xd[t], xs[t])
+
+
+def check_close(got: np.ndarray, want: np.ndarray, scale: np.ndarray, rtol: float) -> None:
+    assert np.isfinite(got).all()
+    err = np.abs(got - want) / scale
+    assert err.max() <= rtol, err.max()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("ntok", [1, 7])
+def test_matmul(qtype, ntok):
+    rng = np.random.default_rng(qtype * 10 + ntok)
+    w = random_matrix(qtype, ROWS, K, rng)
+    wf = gguf_matrix(qtype, w)
+    x = rng.standard_normal((ntok, K)).astype(np.float32)
+    want = x.astype(np.float64) @ wf.T
+    scale = np.abs(x).astype(np.float64) @ np.abs(wf).T
+
+    out = np.full((ntok, ROWS), np.nan, np.float32)
+    matmul_f32(qtype, w, x, out)
+    check_close(out, want, scale, 1e-5)
+
+    xq, xd, xs = quantize(x)
+    out = np.full((ntok, ROWS), np.nan, np.float32)
+    matmul_q8(qtype, w, x, xq, xd, xs, out)
+    check_close(out, want, scale, 1e-5 if qtype in FLOAT_TYPES else 2e-2)
+    if qtype not in FLOAT_TYPES:
+        rowwise = np.full((ntok, ROWS), np.nan, np.float32)
+        _rowwise_q8(qtype, w, xq, xd, xs, rowwise)
+        check_close(out, rowwise.astype(np.float64), scale, 1e-6)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("fast", [True, False])
+def test_moe_matmul(qtype, fast):
+    """Four groups of 3, 0, 1 and 5 tokens over experts stored at uneven offsets of one buffer."""
+    rng = np.random.default_rng(qtype * 10 + fast)
+    n_exp, ntok = 5, 7
+    rb = row_bytes(qtype, K)
+    experts = [random_matrix(qtype, ROWS, K, rng) for _ in range(n_exp)]
+    gap = 96  # experts not back to back: base offsets must be honoured
+    buf = np.zeros(64 + n_exp * (ROWS * rb + gap), np.uint8)
+    offsets = [64 + e * (ROWS * rb + gap) for e in range(n_exp)]
+    for e, off in enumerate(offsets):
+        buf[off:off + ROWS * rb] = experts[e].reshape(-1)
+    chosen = [3, 0, 4, 1]
+    counts = [3, 0, 1, 5]
+    base = np.array([offsets[e] for e in chosen], np.int64)
+    grp_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    tok_idx = np.concatenate([rng.choice(ntok, c, replace=False) for c in counts]).astype(np.int64)
+    x = rng.standard_normal((ntok, K)).astype(np.float32)
+    xq, xd, xs = quantize(x)
+    out = np.full((tok_idx.size, ROWS), np.nan, np.float32)
+    moe_matmul(fast, qtype, buf, base, ROWS, rb, grp_start, tok_idx, x, xq, xd, xs, out)
+
+    for g, e in enumerate(chosen):
+        wf = gguf_matrix(qtype, experts[e])
+        for j in range(grp_start[g], grp_start[g + 1]):
+            xt = x[tok_idx[j]].astype(np.float64)
+            rtol = 2e-2 if fast and qtype not in FLOAT_TYPES else 1e-5
+            check_close(out[j], wf @ xt, np.abs(wf) @ np.abs(xt), rtol)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequant_rows(qtype):
+    rng = np.random.default_rng(qtype)
+    w = random_matrix(qtype, ROWS, K, rng)
+    rows = np.array([36, 0, 5, 5, 17, 36], np.int64)
+    out = np.full((rows.size, K), np.nan, np.float32)
+    dequant_rows(qtype, w, rows, out)
+    np.testing.assert_array_equal(out, gguf_matrix(qtype, w)[rows].astype(np.float32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("driver", ["matmul_q8", "moe_matmul"])
+def test_drivers_compile_parallel(driver):
+    """A raise reaching a prange body (say, through an inlined dispatch) makes numba run the loop serially with
+    only a warning; compile a fresh copy with warnings as errors so that regression fails here."""
+    import warnings
+
+    from numba.core.errors import NumbaPerformanceWarning
+
+    from strata_nb.cpu_kernels import matmul
+
+    fresh = njit(parallel=True)(getattr(matmul, driver).py_func)
+    w = random_matrix(Q8_0, 16, K, np.random.default_rng(0))
+    x = np.zeros((1, K), np.float32)
+    xq, xd, xs = quantize(x)
+    out = np.zeros((1, 16), np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NumbaPerformanceWarning)
+        if driver == "matmul_q8":
+            fresh(Q8_0, w, x, xq, xd, xs, out)
+        else:
+            one = np.zeros(1, np.int64)
+            fresh(True, Q8_0, w.reshape(-1), one, 16, w.shape[1], np.array([0, 1], np.int64), one, x, xq, xd, xs, out)
