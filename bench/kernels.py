@@ -1,6 +1,7 @@
 """Weight-streaming speed of the CPU matrix kernels against the machine's measured read bandwidth.
 
-For every supported quant type: GB/s of weight bytes for matmul_q8 and matmul_f32 (one token, dense matrices)
+The read bandwidth is a parallel sum over a uint64 array of --bw-gib GiB, measured in every round beside the
+kernels (this VM's bandwidth drifts up to 2x from minute to minute). For every supported quant type: GB/s of weight bytes for matmul_q8 and matmul_f32 (one token, dense matrices)
 and moe_matmul (8 experts per call, int8 and float32 paths), each sweep reading a rotating set of matrices large
 enough to defeat the caches. Repetitions are interleaved across types and kernels (the VMs drift); medians.
 
@@ -19,7 +20,7 @@ import numpy as np
 
 import strata_nb  # noqa: F401  (numba environment before numba is imported)
 import numba
-from strata_nb.cpu_kernels import membw
+from numba import njit, prange
 from strata_nb.cpu_kernels.actq import quantize
 from strata_nb.cpu_kernels.matmul import matmul_f32, matmul_q8, moe_matmul
 from strata_nb.cpu_kernels.qtypes import FLOAT_TYPES, QUANT_INFO, SUPPORTED, name, row_bytes
@@ -46,6 +47,28 @@ def valid_blocks(qtype: int, nbytes: int, rng: np.random.Generator) -> np.ndarra
         pat = pat.reshape(-1)
     reps = -(-nbytes // pat.size)
     return np.tile(pat, reps)[:nbytes]
+
+
+@njit(cache=True, parallel=True)
+def _sum_u64(a):
+    """Sum of a uint64 array in 64 prange chunks; each chunk a 1-D view, so the inner loop vectorizes."""
+    nchunk = 64
+    step = (a.shape[0] + nchunk - 1) // nchunk
+    part = np.zeros(nchunk, np.uint64)
+    for c in prange(nchunk):
+        chunk = a[c * step:min(a.shape[0], (c + 1) * step)]
+        s = np.uint64(0)
+        for i in range(chunk.shape[0]):
+            s += chunk[i]
+        part[c] = s
+    return part.sum()
+
+
+def read_sweep(a: np.ndarray) -> float:
+    """GB/s of one parallel read of a."""
+    t0 = time.perf_counter()
+    _sum_u64(a)
+    return a.nbytes / (time.perf_counter() - t0) / 1e9
 
 
 class TypeCase:
@@ -113,25 +136,26 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         ap.error(f"unknown quant type(s): {', '.join(unknown)}")
 
-    bw_before = membw.read_bandwidth(int(args.bw_gib * (1 << 30)))
-    print(f"read bandwidth: {bw_before:.1f} GB/s", file=sys.stderr)
+    bw_buf = np.ones(int(args.bw_gib * (1 << 30)) // 8, np.uint64)  # touched: no page faults in the timing
+    read_sweep(bw_buf)
     rng = np.random.default_rng(0)
     cases = [TypeCase(ids[s], args.set_mib << 20, args.rows, args.k, 768, 2048, rng) for s in wanted]
     for c in cases:  # compile and touch every page outside the timing
         for kern in KERNELS:
             c.sweep(kern)
     times: dict[tuple[int, str], list[float]] = {}
+    bws = []
     for _ in range(args.reps):
+        bws.append(read_sweep(bw_buf))
         for c in cases:
             for kern in KERNELS:
                 s, nb = c.sweep(kern)
                 times.setdefault((c.qtype, kern), []).append(nb / s / 1e9)
-    bw_after = membw.read_bandwidth(int(args.bw_gib * (1 << 30)))
-    bw = (bw_before + bw_after) / 2
+    bw = statistics.median(bws)
 
     cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
     lines = [
-        f"Read bandwidth {bw:.1f} GB/s (before {bw_before:.1f}, after {bw_after:.1f}); "
+        f"Read bandwidth {bw:.1f} GB/s (median; rounds ranged {min(bws):.1f}-{max(bws):.1f}); "
         f"{args.threads} threads; {platform.processor() or platform.machine()}; "
         f"medians of {args.reps} interleaved sweeps over {args.set_mib} MiB per type.",
         f"Dense: {args.rows}x{args.k}, T=1. MoE: 8 experts of 768x2048 per call, T=1. GB/s of weight bytes "

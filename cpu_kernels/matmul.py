@@ -6,13 +6,54 @@ Weights are uint8 rows in their GGUF layout, read in place from a memory map (GG
 """
 from __future__ import annotations
 
-import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from strata_nb.cpu_kernels.qtypes import BF16, F16, F32
 from strata_nb.cpu_kernels.rowdot import dequant_row, dot_f32, dot_q8
 
 ROWS_PER_TASK = 16
+
+
+@intrinsic
+def _row(typingctx, arr, i):
+    """arr[i] of a 2-D array as a 1-D view that holds no reference to arr's owner; valid while arr lives.
+
+    An ordinary view costs an NRT incref and decref per row and token: atomics on the owner's counter, which
+    every thread touches for the shared activation and weight arrays, and which cost more than a row's dot."""
+    rowty = types.Array(arr.dtype, 1, "C" if arr.layout == "C" else "A", readonly=not arr.mutable)
+
+    def codegen(context, builder, sig, args):
+        src = context.make_array(sig.args[0])(context, builder, args[0])
+        dst = context.make_array(rowty)(context, builder)
+        shape = cgutils.unpack_tuple(builder, src.shape)
+        strides = cgutils.unpack_tuple(builder, src.strides)
+        idx = context.cast(builder, args[1], sig.args[1], types.intp)
+        data = cgutils.pointer_add(builder, src.data, builder.mul(idx, strides[0]))
+        context.populate_array(dst, data=data, shape=[shape[1]], strides=[strides[1]], itemsize=src.itemsize,
+                               meminfo=None)
+        return dst._getvalue()
+
+    return rowty(arr, i), codegen
+
+
+@intrinsic
+def _span(typingctx, buf, off, n):
+    """buf[off:off + n] of a 1-D contiguous array as a view that holds no reference to buf's owner (see _row)."""
+    spanty = types.Array(buf.dtype, 1, "C", readonly=not buf.mutable)
+
+    def codegen(context, builder, sig, args):
+        src = context.make_array(sig.args[0])(context, builder, args[0])
+        dst = context.make_array(spanty)(context, builder)
+        off = context.cast(builder, args[1], sig.args[1], types.intp)
+        n = context.cast(builder, args[2], sig.args[2], types.intp)
+        data = cgutils.pointer_add(builder, src.data, builder.mul(off, src.itemsize))
+        context.populate_array(dst, data=data, shape=[n], strides=[src.itemsize], itemsize=src.itemsize,
+                               meminfo=None)
+        return dst._getvalue()
+
+    return spanty(buf, off, n), codegen
 
 
 # The row work of a task lives in its own (not inlined) function: the dispatch in rowdot is inlined and ends in
@@ -22,35 +63,34 @@ ROWS_PER_TASK = 16
 @njit(cache=True, nogil=True)
 def _task_f32(qtype, w, x, out, r0, r1):
     for r in range(r0, r1):
-        wr = w[r]
+        wr = _row(w, r)
         for t in range(x.shape[0]):
-            out[t, r] = dot_f32(qtype, wr, x[t])
+            out[t, r] = dot_f32(qtype, wr, _row(x, t))
 
 
 @njit(cache=True, nogil=True)
 def _task_q8(qtype, w, xq, xd, xs, out, r0, r1):
     for r in range(r0, r1):
-        wr = w[r]
+        wr = _row(w, r)
         for t in range(xq.shape[0]):
-            out[t, r] = dot_q8(qtype, wr, xq[t], xd[t], xs[t])
+            out[t, r] = dot_q8(qtype, wr, _row(xq, t), _row(xd, t), _row(xs, t))
 
 
 @njit(cache=True, nogil=True)
 def _task_moe(fast, qtype, buf, o0, row_bytes, r0, r1, j0, j1, tok_idx, x, xq, xd, xs, out):
     for r in range(r0, r1):
-        o = o0 + r * row_bytes
-        wr = buf[o:o + row_bytes]
+        wr = _span(buf, o0 + r * row_bytes, row_bytes)
         for j in range(j0, j1):
             t = tok_idx[j]
             if fast:
-                out[j, r] = dot_q8(qtype, wr, xq[t], xd[t], xs[t])
+                out[j, r] = dot_q8(qtype, wr, _row(xq, t), _row(xd, t), _row(xs, t))
             else:
-                out[j, r] = dot_f32(qtype, wr, x[t])
+                out[j, r] = dot_f32(qtype, wr, _row(x, t))
 
 
 @njit(cache=True, nogil=True)
 def _task_dequant(qtype, w, rows, out, i):
-    dequant_row(qtype, w[rows[i]], out[i])
+    dequant_row(qtype, _row(w, rows[i]), _row(out, i))
 
 
 @njit(cache=True, parallel=True)

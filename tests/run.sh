@@ -12,7 +12,7 @@ export STRATA_VOCAB_DIR="${STRATA_VOCAB_DIR:-$CACHE/llama-vocab}"
 python -m pip install -q -e ".[test]"
 # The oracles: transformers on a CPU torch, and llama.cpp through llama-cpp-python built from its sdist.
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-python -c "import transformers" 2>/dev/null || python -m pip install -q "transformers>=4.46"
+python -c "import transformers, accelerate" 2>/dev/null || python -m pip install -q "transformers>=4.46" accelerate
 
 sdist="$SDIST_DIR/llama_cpp_python-$LLAMA_CPP_PY.tar.gz"
 if [ ! -f "$sdist" ]; then
@@ -24,10 +24,12 @@ if ! python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA
     CMAKE_ARGS="-DGGML_NATIVE=ON" python -m pip install -q "$sdist"
 fi
 # llama.cpp's own tokenizer test vocabularies (real GGUF vocabularies with expected token ids) ship in the sdist.
-if [ ! -f "$STRATA_VOCAB_DIR/ggml-vocab-qwen2.gguf" ]; then
+# Its chat templates (models/templates/) are the real-world set the chat renderer is checked on.
+if [ ! -f "$STRATA_VOCAB_DIR/ggml-vocab-qwen2.gguf" ] || [ ! -d "$STRATA_VOCAB_DIR/templates" ]; then
     mkdir -p "$STRATA_VOCAB_DIR"
     tar -xzf "$sdist" -C "$STRATA_VOCAB_DIR" --strip-components=4 --wildcards \
-        "llama_cpp_python-$LLAMA_CPP_PY/vendor/llama.cpp/models/ggml-vocab-*"
+        "llama_cpp_python-$LLAMA_CPP_PY/vendor/llama.cpp/models/ggml-vocab-*" \
+        "llama_cpp_python-$LLAMA_CPP_PY/vendor/llama.cpp/models/templates/*"
 fi
 
 python -m pytest -q "$@"

@@ -14,7 +14,7 @@ import numpy as np
 
 from strata_nb.errors import PackError, StrataError
 from strata_nb.experts import pack as packfmt
-from strata_nb.model.gguf_file import GGUFFile
+from strata_nb.model.gguf_file import GGUFFile, map_readonly
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class PackExperts(ExpertSource):
             base = pl.offset + np.arange(pl.n_expert, dtype=np.int64) * pl.stride
             for kind, pm in pl.matrices.items():
                 mats[(pl.layer, kind)] = ExpertMatrix(pm.qtype, pm.rows, pm.cols, pm.row_bytes, base + pm.offset)
-        super().__init__(np.memmap(self.index.path, dtype=np.uint8, mode="r"), self.index.path, mats)
+        super().__init__(map_readonly(self.index.path), self.index.path, mats)
 
     def blob(self, layer: int, expert: int) -> tuple[int, int]:
         """(offset, nbytes) of one expert's whole blob: a single 4 KiB-aligned read or copy."""

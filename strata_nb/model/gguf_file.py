@@ -54,6 +54,15 @@ class TensorRef:
         return qtypes.row_bytes(self.qtype, self.shape[-1])
 
 
+def map_readonly(path: str | os.PathLike) -> np.ndarray:
+    """The whole file as a read-only uint8 array backed by a memory map.
+
+    A plain ndarray view, not the np.memmap subclass: numba types an exact ndarray on its C fast path, while a
+    subclass goes through Python-level typing that costs milliseconds per kernel call.
+    """
+    return np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
+
+
 class _Cursor:
     __slots__ = ("buf", "off")
 
@@ -110,7 +119,7 @@ class GGUFFile:
         with open(self.path, "rb") as f:
             if f.read(4) != GGUF_MAGIC:
                 raise ModelFormatError(f"not a GGUF file (bad magic): {self.path}")
-        self.data: np.ndarray = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self.data: np.ndarray = map_readonly(self.path)
         try:
             self._parse(memoryview(self.data))
         except (struct.error, ValueError, UnicodeDecodeError) as e:
