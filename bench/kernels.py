@@ -1,9 +1,10 @@
 """Weight-streaming speed of the CPU matrix kernels against the machine's measured read bandwidth.
 
-The read bandwidth is a parallel sum over a uint64 array of --bw-gib GiB, measured in every round beside the
-kernels (this VM's bandwidth drifts up to 2x from minute to minute). For every supported quant type: GB/s of weight bytes for matmul_q8 and matmul_f32 (one token, dense matrices)
-and moe_matmul (8 experts per call, int8 and float32 paths), each sweep reading a rotating set of matrices large
-enough to defeat the caches. Repetitions are interleaved across types and kernels (the VMs drift); medians.
+The read bandwidth is a parallel sum over a uint64 array of --bw-gib GiB. For every supported quant type: GB/s
+of weight bytes for matmul_q8 and matmul_f32 (one token, dense matrices) and moe_matmul (8 experts of 768x2048
+per call, int8 and float32 paths), each sweep reading a rotating set of matrices large enough to defeat the
+caches. Every round measures the bandwidth and every kernel once (this VM's bandwidth drifts up to 2x from
+minute to minute, so only ratios within one run compare); medians over the rounds.
 
     python bench/kernels.py --threads 2 [--out bench/results/kernels.md]
 """

@@ -43,10 +43,6 @@ def main() -> None:
     """Run Mixture-of-Experts language models from GGUF files on ordinary machines."""
 
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
-
-
 # ---------------------------------------------------------------------------------------------- generate
 def _sampling_options(f):
     opts = [

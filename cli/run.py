@@ -13,7 +13,7 @@ from strata_nb.errors import StrataError
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def _progress(label: str, total: int):

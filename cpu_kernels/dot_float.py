@@ -16,7 +16,7 @@ from numba.extending import intrinsic
 from strata_nb.cpu_kernels.ir import array_byte_ptr
 from strata_nb.cpu_kernels.qtypes import BF16, F16, F32
 
-PREFETCH_BYTES = 2048
+PREFETCH_BYTES = 4096
 CHUNK = 32  # elements per vector step
 UNROLL = 4  # steps per loop iteration, one accumulator each
 

@@ -18,6 +18,7 @@ Layouts: llama.cpp ggml-common.h (block_q*_K) and gguf-py gguf/quants.py (dequan
 """
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import njit, types
@@ -369,7 +370,8 @@ def _check_scales(nb, xdlen, xdstride, xslen, xsstride):
         raise StrataError("K-quant row: activation scales/sums are short or not contiguous")
 
 
-# ---- public kernels
+# ---- public kernels: w uint8[row bytes] one row in GGUF layout; x/out float32[K]; xq int8[K], xd float32[K/32],
+# xs float32[K/16] (actq layout). Raise StrataError on mismatched or non-contiguous arrays.
 
 VNNI = _host_has_vnni512()
 
@@ -381,85 +383,85 @@ _deq_q6_k, _f32_q6_k, _q8_q6_k = _make_kernels("q6_k", 210, _unpack_q6_k, VNNI)
 
 
 @njit(cache=True, nogil=True)
-def dequant_q2_k(w, out):
+def dequant_q2_k(w: np.ndarray, out: np.ndarray) -> None:
     _deq_q2_k(w, out, _nblocks(w.shape[0], w.strides[0], 84, out.shape[0], out.strides[0], 4))
 
 
 @njit(cache=True, nogil=True)
-def dot_f32_q2_k(w, x):
+def dot_f32_q2_k(w: np.ndarray, x: np.ndarray) -> float:
     return _f32_q2_k(w, x, _nblocks(w.shape[0], w.strides[0], 84, x.shape[0], x.strides[0], 4))
 
 
 @njit(cache=True, nogil=True)
-def dot_q8_q2_k(w, xq, xd, xs):
+def dot_q8_q2_k(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray) -> float:
     nb = _nblocks(w.shape[0], w.strides[0], 84, xq.shape[0], xq.strides[0], 1)
     _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
     return _q8_q2_k(w, xq, xd, xs, nb)
 
 
 @njit(cache=True, nogil=True)
-def dequant_q3_k(w, out):
+def dequant_q3_k(w: np.ndarray, out: np.ndarray) -> None:
     _deq_q3_k(w, out, _nblocks(w.shape[0], w.strides[0], 110, out.shape[0], out.strides[0], 4))
 
 
 @njit(cache=True, nogil=True)
-def dot_f32_q3_k(w, x):
+def dot_f32_q3_k(w: np.ndarray, x: np.ndarray) -> float:
     return _f32_q3_k(w, x, _nblocks(w.shape[0], w.strides[0], 110, x.shape[0], x.strides[0], 4))
 
 
 @njit(cache=True, nogil=True)
-def dot_q8_q3_k(w, xq, xd, xs):
+def dot_q8_q3_k(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray) -> float:
     nb = _nblocks(w.shape[0], w.strides[0], 110, xq.shape[0], xq.strides[0], 1)
     _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
     return _q8_q3_k(w, xq, xd, xs, nb)
 
 
 @njit(cache=True, nogil=True)
-def dequant_q4_k(w, out):
+def dequant_q4_k(w: np.ndarray, out: np.ndarray) -> None:
     _deq_q4_k(w, out, _nblocks(w.shape[0], w.strides[0], 144, out.shape[0], out.strides[0], 4))
 
 
 @njit(cache=True, nogil=True)
-def dot_f32_q4_k(w, x):
+def dot_f32_q4_k(w: np.ndarray, x: np.ndarray) -> float:
     return _f32_q4_k(w, x, _nblocks(w.shape[0], w.strides[0], 144, x.shape[0], x.strides[0], 4))
 
 
 @njit(cache=True, nogil=True)
-def dot_q8_q4_k(w, xq, xd, xs):
+def dot_q8_q4_k(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray) -> float:
     nb = _nblocks(w.shape[0], w.strides[0], 144, xq.shape[0], xq.strides[0], 1)
     _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
     return _q8_q4_k(w, xq, xd, xs, nb)
 
 
 @njit(cache=True, nogil=True)
-def dequant_q5_k(w, out):
+def dequant_q5_k(w: np.ndarray, out: np.ndarray) -> None:
     _deq_q5_k(w, out, _nblocks(w.shape[0], w.strides[0], 176, out.shape[0], out.strides[0], 4))
 
 
 @njit(cache=True, nogil=True)
-def dot_f32_q5_k(w, x):
+def dot_f32_q5_k(w: np.ndarray, x: np.ndarray) -> float:
     return _f32_q5_k(w, x, _nblocks(w.shape[0], w.strides[0], 176, x.shape[0], x.strides[0], 4))
 
 
 @njit(cache=True, nogil=True)
-def dot_q8_q5_k(w, xq, xd, xs):
+def dot_q8_q5_k(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray) -> float:
     nb = _nblocks(w.shape[0], w.strides[0], 176, xq.shape[0], xq.strides[0], 1)
     _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
     return _q8_q5_k(w, xq, xd, xs, nb)
 
 
 @njit(cache=True, nogil=True)
-def dequant_q6_k(w, out):
+def dequant_q6_k(w: np.ndarray, out: np.ndarray) -> None:
     _deq_q6_k(w, out, _nblocks(w.shape[0], w.strides[0], 210, out.shape[0], out.strides[0], 4))
 
 
 @njit(cache=True, nogil=True)
-def dot_f32_q6_k(w, x):
+def dot_f32_q6_k(w: np.ndarray, x: np.ndarray) -> float:
     return _f32_q6_k(w, x, _nblocks(w.shape[0], w.strides[0], 210, x.shape[0], x.strides[0], 4))
 
 
 @njit(cache=True, nogil=True)
-def dot_q8_q6_k(w, xq, xd, xs):
+def dot_q8_q6_k(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray) -> float:
     nb = _nblocks(w.shape[0], w.strides[0], 210, xq.shape[0], xq.strides[0], 1)
     _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
     return _q8_q6_k(w, xq, xd, xs, nb)

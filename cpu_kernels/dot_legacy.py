@@ -26,7 +26,7 @@ from numba.extending import intrinsic
 from strata_nb.cpu_kernels.ir import array_byte_ptr
 from strata_nb.cpu_kernels.qtypes import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
-PREFETCH_BYTES = 2048
+PREFETCH_BYTES = 4096
 UNROLL = 4  # blocks per loop iteration, one accumulator each
 
 _I1, _I8, _I16, _I32, _I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -94,55 +94,73 @@ def _hsum(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
 
 # ---- block decoders: (builder, block pointer) -> (q <32 x i8>, d float, m float or None) ----
 
-def _nibbles(b: ir.IRBuilder, blk: ir.Value, off: int) -> ir.Value:
-    raw = _load(b, blk, _c(off), _vec(_I8, 16))
-    lo = b.and_(raw, _const_vec(_I8, 16, 0x0F))
-    hi = b.lshr(raw, _const_vec(_I8, 16, 4))
-    return _shuffle(b, lo, hi, list(range(32)))
+def _concat(b: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
+    if len(parts) == 1:
+        return parts[0]
+    n = parts[0].type.count
+    return _shuffle(b, parts[0], parts[1], list(range(2 * n)))
 
 
-def _high_bits(b: ir.IRBuilder, blk: ir.Value, off: int) -> ir.Value:
-    """0x10 in lane j where bit j of the little-endian 32-bit word at off is set."""
-    qh = _load(b, blk, _c(off), _I32)
-    bits = b.bitcast(qh, _vec(_I1, 32))
-    return b.shl(b.zext(bits, _vec(_I8, 32)), _const_vec(_I8, 32, 4))
+def _nibbles(b: ir.IRBuilder, blk: ir.Value, off: int, bb: int, n: int) -> ir.Value:
+    """<32n x i8> nibbles of n consecutive blocks, each block low nibbles then high nibbles. Both blocks' bytes
+    are unpacked in one 256-bit register when n = 2."""
+    raw = _concat(b, [_load(b, blk, _c(k * bb + off), _vec(_I8, 16)) for k in range(n)])
+    lo = b.and_(raw, _const_vec(_I8, 16 * n, 0x0F))
+    hi = b.lshr(raw, _const_vec(_I8, 16 * n, 4))
+    order = [i + 16 * k + 16 * n * h for k in range(n) for h in range(2) for i in range(16)]
+    return _shuffle(b, lo, hi, order)
 
 
-def _dec_q4_0(b, blk):
-    return _nibbles(b, blk, 2), 8, _load_half(b, blk, _c(0)), None
+def _high_bits(b: ir.IRBuilder, blk: ir.Value, off: int, bb: int, n: int) -> ir.Value:
+    """0x10 in lane j of each block where bit j of its little-endian 32-bit word at off is set."""
+    words = [_load(b, blk, _c(k * bb + off), _I32) for k in range(n)]
+    qh = words[0] if n == 1 else b.or_(b.zext(words[0], _I64), b.shl(b.zext(words[1], _I64), _c(32)))
+    bits = b.bitcast(qh, _vec(_I1, 32 * n))
+    return b.shl(b.zext(bits, _vec(_I8, 32 * n)), _const_vec(_I8, 32 * n, 4))
 
 
-def _dec_q4_1(b, blk):
-    return _nibbles(b, blk, 4), 0, _load_half(b, blk, _c(0)), _load_half(b, blk, _c(2))
+def _halves(b: ir.IRBuilder, blk: ir.Value, off: int, bb: int, n: int) -> list[ir.Value]:
+    return [_load_half(b, blk, _c(k * bb + off)) for k in range(n)]
 
 
-def _dec_q5_0(b, blk):
-    u = b.or_(_nibbles(b, blk, 6), _high_bits(b, blk, 2))
-    return u, 16, _load_half(b, blk, _c(0)), None
+# Decoders of n (1 or 2) consecutive blocks of bb bytes: (u, o, d, m) with quants q = u - o, u unsigned
+# (<32n x i8> bits) and o a constant, so that u fits vpdpbusd's unsigned operand; d the n scales, m the n mins
+# or None.
+
+def _dec_q4_0(b, blk, bb, n):
+    return _nibbles(b, blk, 2, bb, n), 8, _halves(b, blk, 0, bb, n), None
 
 
-def _dec_q5_1(b, blk):
-    u = b.or_(_nibbles(b, blk, 8), _high_bits(b, blk, 4))
-    return u, 0, _load_half(b, blk, _c(0)), _load_half(b, blk, _c(2))
+def _dec_q4_1(b, blk, bb, n):
+    return _nibbles(b, blk, 4, bb, n), 0, _halves(b, blk, 0, bb, n), _halves(b, blk, 2, bb, n)
 
 
-def _dec_q8_0(b, blk):
-    q = _load(b, blk, _c(2), _vec(_I8, 32))
-    return b.xor(q, _const_vec(_I8, 32, 0x80)), 128, _load_half(b, blk, _c(0)), None
+def _dec_q5_0(b, blk, bb, n):
+    u = b.or_(_nibbles(b, blk, 6, bb, n), _high_bits(b, blk, 2, bb, n))
+    return u, 16, _halves(b, blk, 0, bb, n), None
 
 
-# qtype -> (decoder, bytes per block). A decoder returns (u, o, d, m): quants q = u - o with u unsigned
-# (<32 x i8> bits) and o a constant, so that u fits vpdpbusd's unsigned operand; scale d; min m or None.
+def _dec_q5_1(b, blk, bb, n):
+    u = b.or_(_nibbles(b, blk, 8, bb, n), _high_bits(b, blk, 4, bb, n))
+    return u, 0, _halves(b, blk, 0, bb, n), _halves(b, blk, 2, bb, n)
+
+
+def _dec_q8_0(b, blk, bb, n):
+    q = _concat(b, [_load(b, blk, _c(k * bb + 2), _vec(_I8, 32)) for k in range(n)])
+    return b.xor(q, _const_vec(_I8, 32 * n, 0x80)), 128, _halves(b, blk, 0, bb, n), None
+
+
+# qtype -> (decoder, bytes per block)
 _DECODERS = {
     Q4_0: (_dec_q4_0, 18), Q4_1: (_dec_q4_1, 20), Q5_0: (_dec_q5_0, 22), Q5_1: (_dec_q5_1, 24),
     Q8_0: (_dec_q8_0, 34),
 }
 
 
-def _decode_signed(decode, b: ir.IRBuilder, blk: ir.Value):
-    """(q, d, m) with q = u - o as signed <32 x i8> (wraps back to the stored int8 for Q8_0)."""
-    u, o, d, m = decode(b, blk)
-    return (b.sub(u, _const_vec(_I8, 32, o)) if o else u), d, m
+def _decode_signed(decode, bb: int, b: ir.IRBuilder, blk: ir.Value):
+    """(q, d, m) of one block with q = u - o as signed <32 x i8> (wraps back to the stored int8 for Q8_0)."""
+    u, o, d, m = decode(b, blk, bb, 1)
+    return (b.sub(u, _const_vec(_I8, 32, o)) if o else u), d[0], (None if m is None else m[0])
 
 
 def _dequant_vec(b: ir.IRBuilder, q: ir.Value, d: ir.Value, m: ir.Value | None) -> ir.Value:
@@ -232,7 +250,7 @@ def _ir_dequant(typingctx, w, out, nblk, qt):
         op = builder.bitcast(array_byte_ptr(context, builder, sig.args[1], args[1]), _PF32)
 
         def step(b, i, blk, accs, lane):
-            q, d, m = _decode_signed(decode, b, blk)
+            q, d, m = _decode_signed(decode, bb, b, blk)
             dst = b.bitcast(b.gep(op, [b.mul(i, _c(32))]), _vec(_F32, 32).as_pointer())
             b.store(_dequant_vec(b, q, d, m), dst, align=4)
             return []
@@ -252,7 +270,7 @@ def _ir_dot_f32(typingctx, w, x, nblk, qt):
         xp = array_byte_ptr(context, builder, sig.args[1], args[1])
 
         def step(b, i, blk, accs, lane):
-            q, d, m = _decode_signed(decode, b, blk)
+            q, d, m = _decode_signed(decode, bb, b, blk)
             xv = _load(b, xp, b.mul(i, _c(128)), _vec(_F32, 32), align=4)
             return [_fma(b, _dequant_vec(b, q, d, m), xv, accs[0])]
 
@@ -287,7 +305,7 @@ def _ir_dot_q8(typingctx, w, xq, xd, xs, nblk, qt):
             """One block per step: vpmaddwd on sign-extended lanes; blocks counted from block first."""
             def step(b, i, blk, accs, lane):
                 i = b.add(i, first)
-                q, d, m = _decode_signed(decode, b, blk)
+                q, d, m = _decode_signed(decode, bb, b, blk)
                 xv = _load(b, qp, b.mul(i, _c(32)), _vec(_I8, 32))
                 isum = b.sitofp(_int_dot(b, q, xv), _vec(_F32, 16))
                 scale = b.fmul(d, b.load(b.gep(dp, [i]), align=4))
@@ -301,10 +319,9 @@ def _ir_dot_q8(typingctx, w, xq, xd, xs, nblk, qt):
 
         def pair(b, i, blk, accs, lane):
             """Two blocks per step (i counts pairs): one vpdpbusd over 64 quants, lanes 0-7 block 2i."""
-            ua, o, da, ma = decode(b, blk)
-            ub, _, db, mb = decode(b, b.gep(blk, [_c(bb)]))
+            u, o, (da, db), m = decode(b, blk, bb, 2)
             xv = _load(b, qp, b.mul(i, _c(64)), _vec(_I8, 64))
-            isum = _dpbusd(b, _shuffle(b, ua, ub, list(range(64))), xv)
+            isum = _dpbusd(b, u, xv)
             if o:
                 isum = b.sub(isum, _dpbusd(b, _const_vec(_I8, 64, o), xv))
             v2 = _vec(_F32, 2)
@@ -314,7 +331,7 @@ def _ir_dot_q8(typingctx, w, xq, xd, xs, nblk, qt):
             acc = _fma(b, b.sitofp(isum, _vec(_F32, 16)), scale, accs[0])
             if not has_min:
                 return [acc]
-            mm = b.insert_element(b.insert_element(ir.Constant(v2, ir.Undefined), ma, _c(0)), mb, _c(1))
+            mm = b.insert_element(b.insert_element(ir.Constant(v2, ir.Undefined), m[0], _c(0)), m[1], _c(1))
             sx = _load(b, b.bitcast(sp, _PI8), b.mul(i, _c(16)), _vec(_F32, 4), align=4)
             sx2 = b.fadd(_shuffle(b, sx, None, [0, 2]), _shuffle(b, sx, None, [1, 3]))
             return [acc, _fma(b, mm, sx2, accs[1])]

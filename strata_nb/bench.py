@@ -24,12 +24,6 @@ class RunTimes:
     decode_steps: int
     bytes_per_token: float = float("nan")
 
-    @property
-    def prompt_tps(self) -> float:
-        return float("nan") if self.prompt_s <= 0 else self._n_prompt / self.prompt_s
-
-    _n_prompt: int = 0
-
 
 class StrataRunner:
     name = "strata-nb"
@@ -44,7 +38,7 @@ class StrataRunner:
 
         res = self.engine.generate(prompt, n_gen, SamplerConfig(temperature=0.0))
         # A run that stops early (an end-of-generation id) would flatter nobody: decode stays per step.
-        return RunTimes(res.prompt_s, res.decode_s, res.decode_steps, res.bytes_per_token, len(prompt))
+        return RunTimes(res.prompt_s, res.decode_s, res.decode_steps, res.bytes_per_token)
 
 
 class LlamaCppRunner:
@@ -103,7 +97,7 @@ class LlamaCppRunner:
             logits = self._decode([tok], len(prompt) + i)
             tok = int(np.argmax(logits))
             steps += 1
-        return RunTimes(prompt_s, time.perf_counter() - t1, steps, float("nan"), len(prompt))
+        return RunTimes(prompt_s, time.perf_counter() - t1, steps)
 
     def close(self) -> None:
         self.L.llama_batch_free(self.batch)

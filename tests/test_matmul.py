@@ -65,6 +65,7 @@ def check_close(got: np.ndarray, want: np.ndarray, scale: np.ndarray, rtol: floa
 def test_matmul(qtype, ntok):
     rng = np.random.default_rng(qtype * 10 + ntok)
     w = random_matrix(qtype, ROWS, K, rng)
+    w.setflags(write=False)  # as the GGUF memory map is
     wf = gguf_matrix(qtype, w)
     x = rng.standard_normal((ntok, K)).astype(np.float32)
     want = x.astype(np.float64) @ wf.T
@@ -97,6 +98,7 @@ def test_moe_matmul(qtype, fast):
     offsets = [64 + e * (ROWS * rb + gap) for e in range(n_exp)]
     for e, off in enumerate(offsets):
         buf[off:off + ROWS * rb] = experts[e].reshape(-1)
+    buf.setflags(write=False)  # as the GGUF or pack memory map is
     chosen = [3, 0, 4, 1]
     counts = [3, 0, 1, 5]
     base = np.array([offsets[e] for e in chosen], np.int64)

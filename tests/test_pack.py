@@ -140,7 +140,7 @@ def test_interrupted_write_leaves_nothing(model: tuple[Path, dict]) -> None:
 
 def test_refuses_gguf_with_modified_expert_bytes(model: tuple[Path, dict]) -> None:
     p, _ = model
-    out = packfmt.write_pack(p)
+    packfmt.write_pack(p)
     flip_byte(p, tensor_offset(p, "blk.2.ffn_up_exps.weight") + 5)  # inside a fingerprint window
     with pytest.raises(PackError, match="expert bytes changed"):
         open_experts(GGUFFile(p))

@@ -12,7 +12,7 @@ import codecs
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 from tokenizers import Regex, models, pre_tokenizers
@@ -20,9 +20,6 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from strata_nb.errors import ModelFormatError, StrataError
 from strata_nb.model.gguf_file import GGUFFile
-
-if TYPE_CHECKING:
-    import gguf
 
 # llama_token_attr bits (llama.h) and the GGUF token types they come from (llama_token_type).
 ATTR_UNDEFINED = 0
