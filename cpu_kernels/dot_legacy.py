@@ -211,14 +211,15 @@ def _row_loop(b: ir.IRBuilder, w: ir.Value, nblk: ir.Value, bb: int, acc_types: 
               step) -> list[ir.Value]:
     """Loop over nblk blocks of bb bytes, UNROLL per iteration, prefetching ahead of w.
 
-    step(builder, block index, block pointer, accumulator values, lane) -> new accumulator values; lane selects
-    one of UNROLL independent accumulator sets. Returns the final values of every set, flattened lane-major.
+    step(builder, block index, block pointer, accumulator values) -> new accumulator values, with UNROLL
+    independent accumulator sets, one per block of an iteration. Returns the final values of every set,
+    flattened set by set.
     """
     slots = [[cgutils.alloca_once_value(b, ir.Constant(t, None)) for t in acc_types] for _ in range(UNROLL)]
 
     def do_block(i, lane):
         blk = b.gep(w, [b.mul(i, _c(bb))])
-        new = step(b, i, blk, [b.load(s) for s in slots[lane]], lane)
+        new = step(b, i, blk, [b.load(s) for s in slots[lane]])
         for s, v in zip(slots[lane], new):
             b.store(v, s)
 
@@ -249,7 +250,7 @@ def _ir_dequant(typingctx, w, out, nblk, qt):
         wp = array_byte_ptr(context, builder, sig.args[0], args[0])
         op = builder.bitcast(array_byte_ptr(context, builder, sig.args[1], args[1]), _PF32)
 
-        def step(b, i, blk, accs, lane):
+        def step(b, i, blk, accs):
             q, d, m = _decode_signed(decode, bb, b, blk)
             dst = b.bitcast(b.gep(op, [b.mul(i, _c(32))]), _vec(_F32, 32).as_pointer())
             b.store(_dequant_vec(b, q, d, m), dst, align=4)
@@ -269,7 +270,7 @@ def _ir_dot_f32(typingctx, w, x, nblk, qt):
         wp = array_byte_ptr(context, builder, sig.args[0], args[0])
         xp = array_byte_ptr(context, builder, sig.args[1], args[1])
 
-        def step(b, i, blk, accs, lane):
+        def step(b, i, blk, accs):
             q, d, m = _decode_signed(decode, bb, b, blk)
             xv = _load(b, xp, b.mul(i, _c(128)), _vec(_F32, 32), align=4)
             return [_fma(b, _dequant_vec(b, q, d, m), xv, accs[0])]
@@ -303,7 +304,7 @@ def _ir_dot_q8(typingctx, w, xq, xd, xs, nblk, qt):
 
         def single(first):
             """One block per step: vpmaddwd on sign-extended lanes; blocks counted from block first."""
-            def step(b, i, blk, accs, lane):
+            def step(b, i, blk, accs):
                 i = b.add(i, first)
                 q, d, m = _decode_signed(decode, bb, b, blk)
                 xv = _load(b, qp, b.mul(i, _c(32)), _vec(_I8, 32))
@@ -317,7 +318,7 @@ def _ir_dot_q8(typingctx, w, xq, xd, xs, nblk, qt):
                 return [acc, b.fadd(accs[1], b.fmul(m, sx))]
             return step
 
-        def pair(b, i, blk, accs, lane):
+        def pair(b, i, blk, accs):
             """Two blocks per step (i counts pairs): one vpdpbusd over 64 quants, lanes 0-7 block 2i."""
             u, o, (da, db), m = decode(b, blk, bb, 2)
             xv = _load(b, qp, b.mul(i, _c(64)), _vec(_I8, 64))
