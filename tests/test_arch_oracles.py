@@ -3,9 +3,10 @@
 Tolerances (relative L2 over all logits of a 16-token prompt; measured on these files in parentheses):
 - reference path (float32 activations) vs transformers: 1e-4 (~7e-7), top-1 identical;
 - with F32 weights, reference path vs llama.cpp: 1e-4 (~5e-7), top-1 identical;
-- fast path (int8 activations, like llama.cpp's own) vs either oracle: 8e-2 (2e-2..6.4e-2; llama.cpp itself
-  is 1.5e-2..6.3e-2 from transformers on the same Q4_K_M files), top-1 agreement >= 75% (81%..100%) — random
-  weights give small top-1 margins, so a few flips are expected from either implementation's rounding.
+- fast path (int8 activations, like llama.cpp's own) vs either oracle, per position: median relative L2
+  6e-2 (1.4e-2..4.7e-2; llama.cpp itself is 1.5e-2..1.9e-2 from transformers), top-1 agreement >= 75%
+  (81%..100%). The median, because int8 rounding flips near-tied router choices at a few positions (llama.cpp's
+  own whole-prompt error from transformers reaches 5.5e-2 that way), and random weights give small top-1 margins.
 """
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ PROMPT_LEN = 16
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _median_rel_per_position(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.median(np.linalg.norm(a - b, axis=1) / np.linalg.norm(b, axis=1)))
 
 
 @pytest.fixture(scope="module")
@@ -78,31 +83,35 @@ def test_fast_path_against_both_oracles(files, arch):
     toks = _prompt(path)
     ours = load(path, n_ctx=64, fast=True).logits(toks)
     for ref in (oracles.llama_cpp_logits(path, toks), oracles.transformers_logits(path, toks)):
-        assert _rel(ours, ref) < 8e-2
+        assert _median_rel_per_position(ours, ref) < 6e-2
         assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "qwen3"])
 def test_greedy_generation_matches_llama_cpp(files, arch):
-    """32 greedy tokens identical to llama.cpp's wherever llama.cpp's own top-1 margin is clear.
+    """32 greedy tokens identical to llama.cpp's wherever the top-1 margin is clear.
 
-    At the first differing token (if any) llama.cpp's margin between its top two logits must be within the
-    fast path's rounding (< 0.1 x the logits' RMS, ~4x the per-logit error measured above).
+    At the first differing token (if any), the exact logits there (our float32 reference path, which matches
+    transformers to ~1e-6) must rank the two competing tokens within 6 sigma of the rounding noise, sigma being
+    the RMS deviation of our fast logits plus that of llama.cpp's from the exact ones at that position. A real
+    error (a wrong token where the margin is clear) fails.
     """
     pytest.importorskip("llama_cpp")
     path = files(arch, "Q4_K_M")
     prompt = _prompt(path)
-    eng = load(path, n_ctx=96, fast=True)
-    ours = eng.generate(prompt, 32, SamplerConfig(temperature=0.0)).tokens
+    fast = load(path, n_ctx=96, fast=True)
+    ours = fast.generate(prompt, 32, SamplerConfig(temperature=0.0)).tokens
     theirs = oracles.llama_cpp_greedy(path, prompt, 32)
     n = min(len(ours), len(theirs))
     assert n >= 1
     diff = next((i for i in range(n) if ours[i] != theirs[i]), None)
     if diff is None:
-        assert ours[:n] == theirs[:n]
         return
-    row = oracles.llama_cpp_logits(path, prompt + theirs[:diff])[-1]
-    top2 = np.sort(row)[-2:]
-    margin = float(top2[1] - top2[0])
-    rms = float(np.sqrt(np.mean(row.astype(np.float64) ** 2)))
-    assert margin < 0.1 * rms, f"token {diff} differs although llama.cpp's margin {margin:.3f} is clear (rms {rms:.3f})"
+    prefix = prompt + theirs[:diff]
+    exact = load(path, n_ctx=96, fast=False).logits(prefix)[-1].astype(np.float64)
+    f = fast.logits(prefix)[-1].astype(np.float64)
+    ll = oracles.llama_cpp_logits(path, prefix)[-1].astype(np.float64)
+    a, b = ours[diff], theirs[diff]
+    sigma = np.sqrt(np.mean((f - exact) ** 2)) + np.sqrt(np.mean((ll - exact) ** 2))
+    gap = abs(exact[a] - exact[b])
+    assert gap < 6 * sigma, f"token {diff}: {a} vs llama.cpp's {b} although their exact gap {gap:.3f} >> noise {sigma:.3f}"
