@@ -147,3 +147,60 @@ def route_softmax_topk(logits, k, renorm, scale, ids, weights):
             if renorm:
                 weights[t, j] /= wsum
             weights[t, j] *= scale
+
+
+@njit(cache=True)
+def group_by_expert(ids, n_expert):
+    """Group the (token, slot) choices of ids i64[T, k] by expert (counting sort, experts ascending).
+
+    Returns experts i64[G] (the distinct experts), grp_start i64[G+1] (group g owns entries
+    grp_start[g]:grp_start[g+1]), entry_tok i64[N] and entry_slot i64[N] (N = T*k; tokens ascending in a group).
+    """
+    ntok, k = ids.shape
+    counts = np.zeros(n_expert, np.int64)
+    for t in range(ntok):
+        for j in range(k):
+            counts[ids[t, j]] += 1
+    ngrp = 0
+    for e in range(n_expert):
+        if counts[e]:
+            ngrp += 1
+    experts = np.empty(ngrp, np.int64)
+    grp_start = np.empty(ngrp + 1, np.int64)
+    nxt = np.empty(n_expert, np.int64)
+    g = 0
+    acc = 0
+    for e in range(n_expert):
+        if counts[e]:
+            experts[g] = e
+            grp_start[g] = acc
+            nxt[e] = acc
+            acc += counts[e]
+            g += 1
+    grp_start[ngrp] = acc
+    entry_tok = np.empty(acc, np.int64)
+    entry_slot = np.empty(acc, np.int64)
+    for t in range(ntok):
+        for j in range(k):
+            p = nxt[ids[t, j]]
+            entry_tok[p] = t
+            entry_slot[p] = j
+            nxt[ids[t, j]] = p + 1
+    return experts, grp_start, entry_tok, entry_slot
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def moe_combine(y, wts, entry_tok, entry_slot, out):
+    """out[t] += sum of wts[t, slot] * y[entry] over the entries of token t (in entry order: deterministic).
+
+    Parallel over column chunks so no two threads write the same element.
+    """
+    n, d = y.shape
+    nchunk = (d + 255) // 256
+    for c in prange(nchunk):
+        i1 = min(d, (c + 1) * 256)
+        for j in range(n):
+            t = entry_tok[j]
+            w = wts[t, entry_slot[j]]
+            for i in range(c * 256, i1):
+                out[t, i] += w * y[j, i]

@@ -111,21 +111,16 @@ class CPUBackend:
 
         t0 = time.perf_counter()
         # Group the (token, slot) pairs by expert: each selected expert's rows are read once for all its tokens.
-        flat = ids.ravel()
-        order = np.argsort(flat, kind="stable")
-        experts, counts = np.unique(flat[order], return_counts=True)
-        grp_start = np.zeros(len(experts) + 1, np.int64)
-        np.cumsum(counts, out=grp_start[1:])
-        tok_idx = (order // s.n_expert_used).astype(np.int64)
-        n = len(order)
+        experts, grp_start, entry_tok, entry_slot = ops.group_by_expert(ids, s.n_expert)
+        n = entry_tok.shape[0]
         src = self.experts
         mg, mu, md = src.matrix(layer, "gate"), src.matrix(layer, "up"), src.matrix(layer, "down")
         xq, xd, xs = a.q() if self.fast else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
         g = np.empty((n, mg.rows), np.float32)
         u = np.empty((n, mu.rows), np.float32)
-        moe_matmul(self.fast, mg.qtype, src.buf, mg.offsets[experts], mg.rows, mg.row_bytes, grp_start, tok_idx,
+        moe_matmul(self.fast, mg.qtype, src.buf, mg.offsets[experts], mg.rows, mg.row_bytes, grp_start, entry_tok,
                    a.x, xq, xd, xs, g)
-        moe_matmul(self.fast, mu.qtype, src.buf, mu.offsets[experts], mu.rows, mu.row_bytes, grp_start, tok_idx,
+        moe_matmul(self.fast, mu.qtype, src.buf, mu.offsets[experts], mu.rows, mu.row_bytes, grp_start, entry_tok,
                    a.x, xq, xd, xs, u)
         h = np.empty_like(g)
         ops.silu_mul(g, u, h)
@@ -135,12 +130,11 @@ class CPUBackend:
         moe_matmul(self.fast, md.qtype, src.buf, md.offsets[experts], md.rows, md.row_bytes, grp_start,
                    np.arange(n, dtype=np.int64), h, hq, hd, hs, y)
         out = np.zeros((t, s.n_embd), np.float32)
-        np.add.at(out, tok_idx, y * wts.ravel()[order][:, None])
+        ops.moe_combine(y, wts, entry_tok, entry_slot, out)
         self.stats.expert_s += time.perf_counter() - t0
-        self.stats.expert_bytes += len(experts) * (mg.rows * mg.row_bytes + mu.rows * mu.row_bytes
-                                                   + md.rows * md.row_bytes)
+        self.stats.expert_bytes += len(experts) * (mg.nbytes + mu.nbytes + md.nbytes)
         counts_l = self.stats.expert_hits.setdefault(layer, np.zeros(s.n_expert, np.int64))
-        counts_l[experts] += counts
+        counts_l[experts] += np.diff(grp_start)
 
         if lw.shexp_gate is not None:
             sh = self.ffn(lw.shexp_gate, lw.shexp_up, lw.shexp_down, a)

@@ -1,0 +1,113 @@
+"""The float32 op kernels against plain numpy (float64) formulas, outputs poisoned first."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from strata_nb.cpu_kernels import ops
+
+RNG = np.random.default_rng(0)
+
+
+def test_rmsnorm():
+    x = RNG.standard_normal((5, 96)).astype(np.float32)
+    w = RNG.standard_normal(96).astype(np.float32)
+    out = np.full_like(x, np.nan)
+    ops.rmsnorm(x, w, np.float32(1e-6), out)
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("yarn", [False, True])
+def test_rope_matches_ggml_formula(neox, yarn):
+    n_rot, hd, base = 32, 48, 10000.0  # partial rotary: the last 16 dims pass through
+    pos = np.array([0, 1, 7, 300], np.float64)
+    ff = np.linspace(1.0, 3.0, n_rot // 2)
+    freq_scale, ext, attn = (0.25, 1.0, 0.9) if yarn else (1.0, 0.0, 1.0)
+    lo, hi = 3.0, 11.0
+    cos, sin = ops.rope_tables(pos, n_rot, base, freq_scale, ext, attn, lo, hi, ff)
+    x = RNG.standard_normal((4, 3, hd)).astype(np.float32)
+    y = x.copy()
+    ops.rope_apply(y, cos, sin, neox)
+    ref = x.astype(np.float64).copy()
+    for t, p in enumerate(pos):
+        for i in range(n_rot // 2):
+            th_ex = p * base ** (-2.0 * i / n_rot) / ff[i]
+            th, m = freq_scale * th_ex, attn
+            if yarn:  # ggml's rope_yarn
+                ramp = (1 - min(1, max(0, (i - lo) / max(0.001, hi - lo)))) * ext
+                th = th * (1 - ramp) + th_ex * ramp
+                m *= 1 + 0.1 * math.log(1 / freq_scale)
+            a, b = (i, i + n_rot // 2) if neox else (2 * i, 2 * i + 1)
+            x0, x1 = x[t, :, a].astype(np.float64), x[t, :, b].astype(np.float64)
+            ref[t, :, a] = (x0 * math.cos(th) - x1 * math.sin(th)) * m
+            ref[t, :, b] = (x0 * math.sin(th) + x1 * math.cos(th)) * m
+    np.testing.assert_allclose(y, ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(y[:, :, n_rot:], x[:, :, n_rot:])
+
+
+def test_causal_gqa_attention():
+    t, h, hkv, hd, pos0 = 5, 6, 2, 16, 3
+    q = RNG.standard_normal((t, h, hd)).astype(np.float32)
+    kc = np.zeros((hkv, 16, hd), np.float32)
+    vc = np.zeros((hkv, 16, hd), np.float32)
+    kc[:, :pos0 + t] = RNG.standard_normal((hkv, pos0 + t, hd))
+    vc[:, :pos0 + t] = RNG.standard_normal((hkv, pos0 + t, hd))
+    kc[:, pos0 + t:] = np.nan  # never read: beyond the causal horizon
+    out = np.full_like(q, np.nan)
+    ops.attention(q, kc, vc, pos0, np.float32(0.25), out)
+    for i in range(t):
+        for j in range(h):
+            g = j // (h // hkv)
+            s = kc[g, :pos0 + i + 1].astype(np.float64) @ q[i, j] * 0.25
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            np.testing.assert_allclose(out[i, j], p @ vc[g, :pos0 + i + 1], rtol=1e-4, atol=1e-5)
+
+
+def test_silu_mul():
+    g = RNG.standard_normal((3, 40)).astype(np.float32)
+    u = RNG.standard_normal((3, 40)).astype(np.float32)
+    out = np.full_like(g, np.nan)
+    ops.silu_mul(g, u, out)
+    np.testing.assert_allclose(out, g / (1 + np.exp(-g.astype(np.float64))) * u, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_route_softmax_topk(renorm):
+    logits = RNG.standard_normal((4, 16)).astype(np.float32)
+    logits[1, 3] = logits[1, 9] = 5.0  # a tie: the lower id comes first
+    ids = np.full((4, 3), -1, np.int64)
+    w = np.full((4, 3), np.nan, np.float32)
+    ops.route_softmax_topk(logits, 3, renorm, np.float32(2.0), ids, w)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    for t in range(4):
+        order = sorted(range(16), key=lambda e: (-p[t, e], e))[:3]
+        assert list(ids[t]) == order
+        ref = p[t, order] / (p[t, order].sum() if renorm else 1.0) * 2.0
+        np.testing.assert_allclose(w[t], ref, rtol=1e-5)
+    assert list(ids[1][:2]) == [3, 9]
+
+
+def test_group_and_combine():
+    ids = np.array([[5, 1], [1, 7], [7, 5], [2, 1]], np.int64)
+    experts, start, tok, slot = ops.group_by_expert(ids, 8)
+    assert list(experts) == [1, 2, 5, 7]
+    assert list(start) == [0, 3, 4, 6, 8]
+    for g, e in enumerate(experts):
+        for j in range(start[g], start[g + 1]):
+            assert ids[tok[j], slot[j]] == e
+    assert sorted(zip(tok, slot)) == [(t, j) for t in range(4) for j in range(2)]
+    y = RNG.standard_normal((8, 300)).astype(np.float32)
+    wts = RNG.standard_normal((4, 2)).astype(np.float32)
+    out = np.ones((4, 300), np.float32)
+    ops.moe_combine(y, wts, tok, slot, out)
+    ref = np.ones((4, 300))
+    for j in range(8):
+        ref[tok[j]] += wts[tok[j], slot[j]] * y[j]
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
