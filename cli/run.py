@@ -44,6 +44,7 @@ def run_generate(*, model, prompt, token_ids, chat, system, n_predict, ctx, thre
     from strata_nb.model.tokenizer import StreamDecoder
 
     sampler.validate()  # bad sampling options fail before the (slow) load
+    _compile_notice()
     if ctx <= 0:
         raise StrataError(f"--ctx must be positive, got {ctx}")
     eng = load(model, pack=pack, n_ctx=ctx, threads=threads, fast=fast)
@@ -80,6 +81,14 @@ def run_generate(*, model, prompt, token_ids, chat, system, n_predict, ctx, thre
         _save_npy_atomic(dump_logits, np.concatenate(res.logits, axis=0).astype(np.float32))
     if stats:
         print_stats(eng, res)
+
+
+def _compile_notice() -> None:
+    from strata_nb._numba_env import kernels_cached
+
+    if not kernels_cached():
+        click.echo("compiling the numba kernels for this machine (first run only, takes a few minutes; "
+                   f"cached in {os.environ.get('NUMBA_CACHE_DIR')})", err=True)
 
 
 def _text(tok, tid) -> str:

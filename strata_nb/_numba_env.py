@@ -44,3 +44,9 @@ def configure() -> None:
         import numba
 
         numba.config.CACHE_DIR = cache_dir
+
+
+def kernels_cached() -> bool:
+    """Whether compiled kernels for these sources are already in the cache (a first run compiles for minutes)."""
+    d = os.environ.get("NUMBA_CACHE_DIR")
+    return bool(d) and any(Path(d).rglob("*matmul*.nbi"))

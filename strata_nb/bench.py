@@ -41,6 +41,9 @@ class StrataRunner:
         return RunTimes(res.prompt_s, res.decode_s, res.decode_steps, res.bytes_per_token)
 
 
+_LOG_SINK = None  # llama.cpp keeps the ctypes callback pointer: it must outlive every call
+
+
 class LlamaCppRunner:
     name = "llama.cpp"
 
@@ -50,6 +53,10 @@ class LlamaCppRunner:
         except ImportError:
             raise StrataError("llama-cpp-python is not installed (pip install llama-cpp-python)") from None
         self.L = L
+        global _LOG_SINK
+        if _LOG_SINK is None:  # llama.cpp's load log would bury the table
+            _LOG_SINK = L.llama_log_callback(lambda level, text, user_data: None)
+            L.llama_log_set(_LOG_SINK, ctypes.c_void_p(0))
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0

@@ -84,7 +84,12 @@ PUBLISHED: dict[str, Shape] = {
                           rope_base=1e6, rms_eps=1e-5, context=32768, name="Mixtral-8x7B (synthetic)"),
 }
 
-PRESETS: tuple[str, ...] = ("tiny", *PUBLISHED)
+# The demo (`strata-nb demo`): a qwen3moe big enough that its speed means something (~0.25 GB at Q4_K_M, 32
+# experts top-4), with the small trained vocabulary so it writes in seconds.
+DEMO = Shape("qwen3moe", 1024, 8, 16, 4, 64, 2816, n_expert=32, n_expert_used=4, expert_ffn=512, rope_base=1e6,
+             context=4096, name="demo-qwen3moe (synthetic)")
+
+PRESETS: tuple[str, ...] = ("tiny", "demo", *PUBLISHED)
 TINY_ARCHS: tuple[str, ...] = tuple(TINY)
 
 
@@ -95,6 +100,8 @@ def resolve(preset: str, arch: str | None = None, layers: int | None = None) -> 
         if key not in TINY:
             raise StrataError(f"unknown tiny arch {key!r}; choose one of {', '.join(TINY)}")
         shape = TINY[key]
+    elif preset == "demo":
+        shape = DEMO
     elif preset in PUBLISHED:
         shape = PUBLISHED[preset]
         if arch is not None and arch not in (shape.arch, preset):
