@@ -268,9 +268,18 @@ def _zeros(b: ir.IRBuilder, n: int, count: int) -> list:
     return accs
 
 
+def _row_ptrs(context, builder, arrty, arr, elem: ir.Type, rows: list) -> list:
+    """Pointers (to elem) at the start of the given rows (intp values) of a 2-D array."""
+    ary = context.make_array(arrty)(context, builder, arr)
+    stride = cgutils.unpack_tuple(builder, ary.strides)[0]
+    base = builder.bitcast(ary.data, _PI8)
+    return [builder.bitcast(builder.gep(base, [builder.mul(r, stride)]), elem.as_pointer()) for r in rows]
+
+
 def _make_kernels(name: str, bs: int, unpack, vnni: bool):
-    """Build the three row intrinsics of one type: dequant(w, out, nb), dot_f32(w, x, nb), dot_q8(w, xq, xd,
-    xs, nb). nb is the number of super-blocks; callers check the array sizes."""
+    """Build the four row intrinsics of one type: dequant(w, out, nb), dot_f32(w, x, nb), dot_q8(w, xq, xd,
+    xs, nb) and dot_q8_multi(w, xq, xd, xs, toks, nb) on 2-D activations. nb is the number of super-blocks;
+    callers check the array sizes and token indices."""
     dot64 = _dot64_vnni if vnni else _dot64_generic
 
     def dequant(typingctx, w, out, nb):
@@ -309,41 +318,66 @@ def _make_kernels(name: str, bs: int, unpack, vnni: bool):
 
         return types.float32(w, x, nb), codegen
 
+    def q8_rows(b: ir.IRBuilder, wp: ir.Value, nb: ir.Value, toks: list) -> list:
+        """dot_q8 of one row against each token of toks, a list of (xq i8*, xd f32*, xs f32*) pointers.
+        The row is unpacked once per super-block; each token keeps its own accumulators and the same float
+        operations in the same order as a single-token call, so every result is bit-identical to it."""
+        accs = [_zeros(b, 16, 5) for _ in toks]  # per token: four for the products, one for the min terms
+        with cgutils.for_range(b, nb) as loop:
+            i = loop.index
+            blk = b.gep(wp, [b.mul(i, ir.Constant(_I64, bs))])
+            _prefetch(b, blk, bs)
+            q, off, ws, ms = unpack(_Block(b, blk))
+            f16, xq0 = [], []
+            for qp, dp, _ in toks:
+                xd8 = b.load(b.bitcast(b.gep(dp, [b.mul(i, ir.Constant(_I64, 8))]), _vt(_F32, 8).as_pointer()),
+                             align=4)
+                f16.append(b.fmul(ws, _pair16(b, xd8)))  # weight scale x activation scale, per group of 16
+                xq0.append(b.gep(qp, [b.mul(i, ir.Constant(_I64, QK))]))
+            for p in range(4):  # 64 elements (two chunks, four groups of 16) per step
+                u = b.shuffle_vector(q[2 * p], q[2 * p + 1], _cv(_I32, list(range(64))))
+                for k in range(len(toks)):
+                    xv = b.load(b.bitcast(b.gep(xq0[k], [ir.Constant(_I64, 64 * p)]), _vt(_I8, 64).as_pointer()),
+                                align=1)
+                    isum = b.sitofp(dot64(b, u, off, xv), _vt(_F32, 16))
+                    scale = _shuf(b, f16[k], [4 * p + lane // 4 for lane in range(16)])
+                    b.store(_fma(b, isum, scale, b.load(accs[k][p])), accs[k][p])
+            if ms is not None:
+                for k, (_, _, sp) in enumerate(toks):
+                    xs16 = b.load(b.bitcast(b.gep(sp, [b.mul(i, ir.Constant(_I64, 16))]),
+                                            _vt(_F32, 16).as_pointer()), align=4)
+                    b.store(_fma(b, ms, xs16, b.load(accs[k][4])), accs[k][4])
+        res = []
+        for acc in accs:
+            v = [b.load(a) for a in acc]
+            res.append(_hsum(b, b.fsub(b.fadd(b.fadd(v[0], v[1]), b.fadd(v[2], v[3])), v[4])))
+        return res
+
     def dot_q8(typingctx, w, xq, xd, xs, nb):
         def codegen(context, builder, sig, args):
             b = builder
             wp = _data_ptr(context, b, sig.args[0], args[0], _I8)
-            qp = _data_ptr(context, b, sig.args[1], args[1], _I8)
-            dp = _data_ptr(context, b, sig.args[2], args[2], _F32)
-            sp = _data_ptr(context, b, sig.args[3], args[3], _F32)
-            accs = _zeros(b, 16, 5)  # four for the products, one for the min terms
-            with cgutils.for_range(b, args[4]) as loop:
-                i = loop.index
-                blk = b.gep(wp, [b.mul(i, ir.Constant(_I64, bs))])
-                _prefetch(b, blk, bs)
-                q, off, ws, ms = unpack(_Block(b, blk))
-                xd8 = b.load(b.bitcast(b.gep(dp, [b.mul(i, ir.Constant(_I64, 8))]), _vt(_F32, 8).as_pointer()),
-                             align=4)
-                f16 = b.fmul(ws, _pair16(b, xd8))  # weight scale x activation scale, per group of 16
-                xq0 = b.gep(qp, [b.mul(i, ir.Constant(_I64, QK))])
-                for p in range(4):  # 64 elements (two chunks, four groups of 16) per step
-                    xv = b.load(b.bitcast(b.gep(xq0, [ir.Constant(_I64, 64 * p)]), _vt(_I8, 64).as_pointer()),
-                                align=1)
-                    u = b.shuffle_vector(q[2 * p], q[2 * p + 1], _cv(_I32, list(range(64))))
-                    isum = b.sitofp(dot64(b, u, off, xv), _vt(_F32, 16))
-                    scale = _shuf(b, f16, [4 * p + lane // 4 for lane in range(16)])
-                    b.store(_fma(b, isum, scale, b.load(accs[p])), accs[p])
-                if ms is not None:
-                    xs16 = b.load(b.bitcast(b.gep(sp, [b.mul(i, ir.Constant(_I64, 16))]),
-                                            _vt(_F32, 16).as_pointer()), align=4)
-                    b.store(_fma(b, ms, xs16, b.load(accs[4])), accs[4])
-            v = [b.load(a) for a in accs]
-            return _hsum(b, b.fsub(b.fadd(b.fadd(v[0], v[1]), b.fadd(v[2], v[3])), v[4]))
+            tok = tuple(_data_ptr(context, b, sig.args[j], args[j], e) for j, e in ((1, _I8), (2, _F32), (3, _F32)))
+            return q8_rows(b, wp, args[4], [tok])[0]
 
         return types.float32(w, xq, xd, xs, nb), codegen
 
+    def dot_q8_multi(typingctx, w, xq, xd, xs, toks, nb):
+        """Tokens toks (a tuple of row indices) of the 2-D xq, xd, xs; returns a tuple of their dots."""
+        def codegen(context, builder, sig, args):
+            b = builder
+            wp = _data_ptr(context, b, sig.args[0], args[0], _I8)
+            ts = [context.cast(b, b.extract_value(args[4], k), ty, types.intp) for k, ty in enumerate(sig.args[4])]
+            rows = [_row_ptrs(context, b, sig.args[j], args[j], e, ts) for j, e in ((1, _I8), (2, _F32), (3, _F32))]
+            res = q8_rows(b, wp, args[5], list(zip(*rows)))
+            return context.make_tuple(b, sig.return_type, res)
+
+        if not isinstance(toks, types.BaseTuple) or not all(isinstance(t, types.Integer) for t in toks):
+            raise TypeError("token indices must be a tuple of integers")
+        return types.UniTuple(types.float32, len(toks))(w, xq, xd, xs, toks, nb), codegen
+
     out = []
-    for f in (dequant, dot_f32, dot_q8):
+    for f in (dequant, dot_f32, dot_q8, dot_q8_multi):
         f.__name__ = f.__qualname__ = f"_ir_{f.__name__}_{name}{'_vnni' if vnni else ''}"
         out.append(intrinsic(f))
     return out
@@ -370,16 +404,26 @@ def _check_scales(nb, xdlen, xdstride, xslen, xsstride):
         raise StrataError("K-quant row: activation scales/sums are short or not contiguous")
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _check_tokens(toks, ntok):
+    for t in toks:
+        if t < 0 or t >= ntok:
+            raise StrataError("K-quant row: token index out of range of the activation rows")
+
+
 # ---- public kernels: w uint8[row bytes] one row in GGUF layout; x/out float32[K]; xq int8[K], xd float32[K/32],
-# xs float32[K/16] (actq layout). Raise StrataError on mismatched or non-contiguous arrays.
+# xs float32[K/16] (actq layout). The _multi kernels take 2-D activations xq int8[T, K], xd float32[T, K/32],
+# xs float32[T, K/16] and a tuple of n token indices, and return the n dots of the row against those tokens
+# (bit-identical to n single-token calls), unpacking the row once. Raise StrataError on mismatched or
+# non-contiguous arrays or out-of-range tokens.
 
 VNNI = _host_has_vnni512()
 
-_deq_q2_k, _f32_q2_k, _q8_q2_k = _make_kernels("q2_k", 84, _unpack_q2_k, VNNI)
-_deq_q3_k, _f32_q3_k, _q8_q3_k = _make_kernels("q3_k", 110, _unpack_q3_k, VNNI)
-_deq_q4_k, _f32_q4_k, _q8_q4_k = _make_kernels("q4_k", 144, _unpack_q4_k, VNNI)
-_deq_q5_k, _f32_q5_k, _q8_q5_k = _make_kernels("q5_k", 176, _unpack_q5_k, VNNI)
-_deq_q6_k, _f32_q6_k, _q8_q6_k = _make_kernels("q6_k", 210, _unpack_q6_k, VNNI)
+_deq_q2_k, _f32_q2_k, _q8_q2_k, _q8m_q2_k = _make_kernels("q2_k", 84, _unpack_q2_k, VNNI)
+_deq_q3_k, _f32_q3_k, _q8_q3_k, _q8m_q3_k = _make_kernels("q3_k", 110, _unpack_q3_k, VNNI)
+_deq_q4_k, _f32_q4_k, _q8_q4_k, _q8m_q4_k = _make_kernels("q4_k", 144, _unpack_q4_k, VNNI)
+_deq_q5_k, _f32_q5_k, _q8_q5_k, _q8m_q5_k = _make_kernels("q5_k", 176, _unpack_q5_k, VNNI)
+_deq_q6_k, _f32_q6_k, _q8_q6_k, _q8m_q6_k = _make_kernels("q6_k", 210, _unpack_q6_k, VNNI)
 
 
 @njit(cache=True, nogil=True)
@@ -400,6 +444,14 @@ def dot_q8_q2_k(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray) -
 
 
 @njit(cache=True, nogil=True)
+def dot_q8_q2_k_multi(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, toks: tuple) -> tuple:
+    nb = _nblocks(w.shape[0], w.strides[0], 84, xq.shape[1], xq.strides[1], 1)
+    _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
+    _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
+    return _q8m_q2_k(w, xq, xd, xs, toks, nb)
+
+
+@njit(cache=True, nogil=True)
 def dequant_q3_k(w: np.ndarray, out: np.ndarray) -> None:
     _deq_q3_k(w, out, _nblocks(w.shape[0], w.strides[0], 110, out.shape[0], out.strides[0], 4))
 
@@ -414,6 +466,14 @@ def dot_q8_q3_k(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray) -
     nb = _nblocks(w.shape[0], w.strides[0], 110, xq.shape[0], xq.strides[0], 1)
     _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
     return _q8_q3_k(w, xq, xd, xs, nb)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q3_k_multi(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, toks: tuple) -> tuple:
+    nb = _nblocks(w.shape[0], w.strides[0], 110, xq.shape[1], xq.strides[1], 1)
+    _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
+    _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
+    return _q8m_q3_k(w, xq, xd, xs, toks, nb)
 
 
 @njit(cache=True, nogil=True)
@@ -434,6 +494,14 @@ def dot_q8_q4_k(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray) -
 
 
 @njit(cache=True, nogil=True)
+def dot_q8_q4_k_multi(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, toks: tuple) -> tuple:
+    nb = _nblocks(w.shape[0], w.strides[0], 144, xq.shape[1], xq.strides[1], 1)
+    _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
+    _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
+    return _q8m_q4_k(w, xq, xd, xs, toks, nb)
+
+
+@njit(cache=True, nogil=True)
 def dequant_q5_k(w: np.ndarray, out: np.ndarray) -> None:
     _deq_q5_k(w, out, _nblocks(w.shape[0], w.strides[0], 176, out.shape[0], out.strides[0], 4))
 
@@ -451,6 +519,14 @@ def dot_q8_q5_k(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray) -
 
 
 @njit(cache=True, nogil=True)
+def dot_q8_q5_k_multi(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, toks: tuple) -> tuple:
+    nb = _nblocks(w.shape[0], w.strides[0], 176, xq.shape[1], xq.strides[1], 1)
+    _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
+    _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
+    return _q8m_q5_k(w, xq, xd, xs, toks, nb)
+
+
+@njit(cache=True, nogil=True)
 def dequant_q6_k(w: np.ndarray, out: np.ndarray) -> None:
     _deq_q6_k(w, out, _nblocks(w.shape[0], w.strides[0], 210, out.shape[0], out.strides[0], 4))
 
@@ -465,3 +541,11 @@ def dot_q8_q6_k(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray) -
     nb = _nblocks(w.shape[0], w.strides[0], 210, xq.shape[0], xq.strides[0], 1)
     _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
     return _q8_q6_k(w, xq, xd, xs, nb)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q6_k_multi(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, toks: tuple) -> tuple:
+    nb = _nblocks(w.shape[0], w.strides[0], 210, xq.shape[1], xq.strides[1], 1)
+    _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
+    _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
+    return _q8m_q6_k(w, xq, xd, xs, toks, nb)

@@ -289,77 +289,119 @@ def _dpbusd(b: ir.IRBuilder, u: ir.Value, x: ir.Value) -> ir.Value:
     return b.call(fn, [ir.Constant(v16, None), b.bitcast(u, v16), b.bitcast(x, v16)])
 
 
+def _q8_rows(b: ir.IRBuilder, wp: ir.Value, nblk: ir.Value, decode, bb: int, toks: list) -> list:
+    """dot_q8 of one row against each token of toks, a list of (xq i8*, xd f32*, xs f32*) pointers: each block
+    is decoded once and used for every token. Every token keeps its own accumulators and the same float
+    operations in the same order as a single-token call, so each result is bit-identical to it."""
+    has_min = decode in (_dec_q4_1, _dec_q5_1)
+    vnni = {"avx512f", "avx512bw", "avx512vnni"} <= _FEATURES
+    nt = len(toks)
+
+    def single(first):
+        """One block per step: vpmaddwd on sign-extended lanes; blocks counted from block first."""
+        def step(b, i, blk, accs):
+            i = b.add(i, first)
+            q, d, m = _decode_signed(decode, bb, b, blk)
+            new = []
+            for k, (qp, dp, sp) in enumerate(toks):
+                xv = _load(b, qp, b.mul(i, _c(32)), _vec(_I8, 32))
+                isum = b.sitofp(_int_dot(b, q, xv), _vec(_F32, 16))
+                scale = b.fmul(d, b.load(b.gep(dp, [i]), align=4))
+                new.append(_fma(b, isum, _splat(b, scale, 16), accs[k * nacc]))
+                if m is not None:
+                    i2 = b.mul(i, _c(2))
+                    sx = b.fadd(b.load(b.gep(sp, [i2]), align=4), b.load(b.gep(sp, [b.add(i2, _c(1))]), align=4))
+                    new.append(b.fadd(accs[k * nacc + 1], b.fmul(m, sx)))
+            return new
+        return step
+
+    def pair(b, i, blk, accs):
+        """Two blocks per step (i counts pairs): one vpdpbusd over 64 quants, lanes 0-7 block 2i."""
+        u, o, (da, db), m = decode(b, blk, bb, 2)
+        v2 = _vec(_F32, 2)
+        dd = b.insert_element(b.insert_element(ir.Constant(v2, ir.Undefined), da, _c(0)), db, _c(1))
+        if has_min:
+            mm = b.insert_element(b.insert_element(ir.Constant(v2, ir.Undefined), m[0], _c(0)), m[1], _c(1))
+        new = []
+        for k, (qp, dp, sp) in enumerate(toks):
+            xv = _load(b, qp, b.mul(i, _c(64)), _vec(_I8, 64))
+            isum = _dpbusd(b, u, xv)
+            if o:
+                isum = b.sub(isum, _dpbusd(b, _const_vec(_I8, 64, o), xv))
+            xd2 = _load(b, b.bitcast(dp, _PI8), b.mul(i, _c(8)), v2, align=4)
+            scale = _shuffle(b, b.fmul(dd, xd2), None, [0] * 8 + [1] * 8)
+            new.append(_fma(b, b.sitofp(isum, _vec(_F32, 16)), scale, accs[k * nacc]))
+            if has_min:
+                sx = _load(b, b.bitcast(sp, _PI8), b.mul(i, _c(16)), _vec(_F32, 4), align=4)
+                sx2 = b.fadd(_shuffle(b, sx, None, [0, 2]), _shuffle(b, sx, None, [1, 3]))
+                new.append(_fma(b, mm, sx2, accs[k * nacc + 1]))
+        return new
+
+    v16 = _vec(_F32, 16)
+    nacc = 2 if has_min else 1
+    single_types = [v16] + ([_F32] if has_min else [])
+    if vnni:
+        npair = b.udiv(nblk, _c(2))
+        accs = _row_loop(b, wp, npair, 2 * bb, ([v16] + ([_vec(_F32, 2)] if has_min else [])) * nt, pair)
+        first = b.mul(npair, _c(2))
+        tail = _row_loop(b, b.gep(wp, [b.mul(first, _c(bb))]), b.sub(nblk, first), bb, single_types * nt,
+                         single(first))
+        accs = accs + tail
+    else:
+        accs = _row_loop(b, wp, nblk, bb, single_types * nt, single(_c(0)))
+    res = []
+    per_set = nacc * nt  # _row_loop returns accumulator sets (one per unrolled block) one after another
+    for k in range(nt):
+        mine = [accs[s + k * nacc:s + (k + 1) * nacc] for s in range(0, len(accs), per_set)]
+        tot = mine[0][0]
+        for v in mine[1:]:
+            tot = b.fadd(tot, v[0])
+        tot = _hsum(b, tot)
+        if has_min:
+            for v in (v[1] for v in mine):
+                tot = b.fadd(tot, _hsum(b, v) if isinstance(v.type, ir.VectorType) else v)
+        res.append(tot)
+    return res
+
+
 @intrinsic(prefer_literal=True)
 def _ir_dot_q8(typingctx, w, xq, xd, xs, nblk, qt):
     decode, bb = _DECODERS[_qtype_of(qt)]
-    has_min = decode in (_dec_q4_1, _dec_q5_1)
-    vnni = {"avx512f", "avx512bw", "avx512vnni"} <= _FEATURES
 
     def codegen(context, builder, sig, args):
         wp = array_byte_ptr(context, builder, sig.args[0], args[0])
         qp = array_byte_ptr(context, builder, sig.args[1], args[1])
         dp = builder.bitcast(array_byte_ptr(context, builder, sig.args[2], args[2]), _PF32)
         sp = builder.bitcast(array_byte_ptr(context, builder, sig.args[3], args[3]), _PF32)
-        nblk = builder.sext(args[4], _I64)
-
-        def single(first):
-            """One block per step: vpmaddwd on sign-extended lanes; blocks counted from block first."""
-            def step(b, i, blk, accs):
-                i = b.add(i, first)
-                q, d, m = _decode_signed(decode, bb, b, blk)
-                xv = _load(b, qp, b.mul(i, _c(32)), _vec(_I8, 32))
-                isum = b.sitofp(_int_dot(b, q, xv), _vec(_F32, 16))
-                scale = b.fmul(d, b.load(b.gep(dp, [i]), align=4))
-                acc = _fma(b, isum, _splat(b, scale, 16), accs[0])
-                if m is None:
-                    return [acc]
-                i2 = b.mul(i, _c(2))
-                sx = b.fadd(b.load(b.gep(sp, [i2]), align=4), b.load(b.gep(sp, [b.add(i2, _c(1))]), align=4))
-                return [acc, b.fadd(accs[1], b.fmul(m, sx))]
-            return step
-
-        def pair(b, i, blk, accs):
-            """Two blocks per step (i counts pairs): one vpdpbusd over 64 quants, lanes 0-7 block 2i."""
-            u, o, (da, db), m = decode(b, blk, bb, 2)
-            xv = _load(b, qp, b.mul(i, _c(64)), _vec(_I8, 64))
-            isum = _dpbusd(b, u, xv)
-            if o:
-                isum = b.sub(isum, _dpbusd(b, _const_vec(_I8, 64, o), xv))
-            v2 = _vec(_F32, 2)
-            dd = b.insert_element(b.insert_element(ir.Constant(v2, ir.Undefined), da, _c(0)), db, _c(1))
-            xd2 = _load(b, b.bitcast(dp, _PI8), b.mul(i, _c(8)), v2, align=4)
-            scale = _shuffle(b, b.fmul(dd, xd2), None, [0] * 8 + [1] * 8)
-            acc = _fma(b, b.sitofp(isum, _vec(_F32, 16)), scale, accs[0])
-            if not has_min:
-                return [acc]
-            mm = b.insert_element(b.insert_element(ir.Constant(v2, ir.Undefined), m[0], _c(0)), m[1], _c(1))
-            sx = _load(b, b.bitcast(sp, _PI8), b.mul(i, _c(16)), _vec(_F32, 4), align=4)
-            sx2 = b.fadd(_shuffle(b, sx, None, [0, 2]), _shuffle(b, sx, None, [1, 3]))
-            return [acc, _fma(b, mm, sx2, accs[1])]
-
-        v16 = _vec(_F32, 16)
-        single_types = [v16] + ([_F32] if has_min else [])
-        if vnni:
-            npair = builder.udiv(nblk, _c(2))
-            accs = _row_loop(builder, wp, npair, 2 * bb, [v16] + ([_vec(_F32, 2)] if has_min else []), pair)
-            first = builder.mul(npair, _c(2))
-            tail = _row_loop(builder, builder.gep(wp, [builder.mul(first, _c(bb))]), builder.sub(nblk, first),
-                             bb, single_types, single(first))
-            accs = accs + tail
-        else:
-            accs = _row_loop(builder, wp, nblk, bb, single_types, single(_c(0)))
-        k = len(single_types)
-        vec = [accs[j] for j in range(0, len(accs), k)]
-        tot = vec[0]
-        for v in vec[1:]:
-            tot = builder.fadd(tot, v)
-        tot = _hsum(builder, tot)
-        if has_min:
-            for v in (accs[j] for j in range(1, len(accs), k)):
-                tot = builder.fadd(tot, _hsum(builder, v) if isinstance(v.type, ir.VectorType) else v)
-        return tot
+        return _q8_rows(builder, wp, builder.sext(args[4], _I64), decode, bb, [(qp, dp, sp)])[0]
 
     return types.float32(w, xq, xd, xs, types.int64, qt), codegen
+
+
+def _row_ptrs(context, builder, arrty, arr, elem: ir.Type, rows: list) -> list:
+    """Pointers (to elem) at the start of the given rows (intp values) of a 2-D array."""
+    ary = context.make_array(arrty)(context, builder, arr)
+    stride = cgutils.unpack_tuple(builder, ary.strides)[0]
+    base = builder.bitcast(ary.data, _PI8)
+    return [builder.bitcast(builder.gep(base, [builder.mul(r, stride)]), elem.as_pointer()) for r in rows]
+
+
+@intrinsic(prefer_literal=True)
+def _ir_dot_q8_multi(typingctx, w, xq, xd, xs, toks, nblk, qt):
+    """Tokens toks (a tuple of row indices) of the 2-D xq, xd, xs; returns a tuple of their dots."""
+    decode, bb = _DECODERS[_qtype_of(qt)]
+
+    def codegen(context, builder, sig, args):
+        wp = array_byte_ptr(context, builder, sig.args[0], args[0])
+        ts = [context.cast(builder, builder.extract_value(args[4], k), ty, types.intp)
+              for k, ty in enumerate(sig.args[4])]
+        rows = [_row_ptrs(context, builder, sig.args[j], args[j], e, ts) for j, e in ((1, _I8), (2, _F32), (3, _F32))]
+        res = _q8_rows(builder, wp, builder.sext(args[5], _I64), decode, bb, list(zip(*rows)))
+        return context.make_tuple(builder, sig.return_type, res)
+
+    if not isinstance(toks, types.BaseTuple) or not all(isinstance(t, types.Integer) for t in toks):
+        raise TypeError("token indices must be a tuple of integers")
+    return types.UniTuple(types.float32, len(toks))(w, xq, xd, xs, toks, types.int64, qt), codegen
 
 
 # ---- shape checks: one compare per row (an IR loop past the end would read foreign memory). They take
@@ -382,7 +424,20 @@ def _nblk_q8(nw, nxq, nxd, nxs, bb):
     return nblk
 
 
-# ---- public kernels: dequant_T(w, out), dot_f32_T(w, x), dot_q8_T(w, xq, xd, xs) ----
+@njit(cache=True, nogil=True, inline="always")
+def _nblk_q8_multi(nw, nxq, nxd, nxs, ntok, toks, bb):
+    """Blocks of the row, checked against 2-D activations (row lengths nxq/nxd/nxs, ntok rows) and tokens."""
+    nblk = _nblk_q8(nw, nxq, nxd, nxs, bb)
+    for t in toks:
+        if t < 0 or t >= ntok:
+            raise ValueError("token index out of range of the activation rows")
+    return nblk
+
+
+# ---- public kernels: dequant_T(w, out), dot_f32_T(w, x), dot_q8_T(w, xq, xd, xs), and
+# dot_q8_T_multi(w, xq, xd, xs, toks) -> tuple: the dots of the row against tokens toks (a tuple of n row
+# indices) of 2-D activations xq int8[T, K], xd float32[T, K/32], xs float32[T, K/16], bit-identical to n
+# single-token calls with the row decoded once. ----
 
 @njit(cache=True, nogil=True)
 def dequant_q4_0(w, out):
@@ -457,3 +512,48 @@ def dot_q8_q5_1(w, xq, xd, xs):
 @njit(cache=True, nogil=True)
 def dot_q8_q8_0(w, xq, xd, xs):
     return _ir_dot_q8(w, xq, xd, xs, _nblk_q8(w.size, xq.size, xd.size, xs.size, 34), Q8_0)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q4_0_multi(w, xq, xd, xs, toks):
+    ntok = min(xq.shape[0], xd.shape[0], xs.shape[0])
+    if xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
+        raise ValueError("int8 activation rows are not contiguous")
+    nblk = _nblk_q8_multi(w.size, xq.shape[1], xd.shape[1], xs.shape[1], ntok, toks, 18)
+    return _ir_dot_q8_multi(w, xq, xd, xs, toks, nblk, Q4_0)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q4_1_multi(w, xq, xd, xs, toks):
+    ntok = min(xq.shape[0], xd.shape[0], xs.shape[0])
+    if xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
+        raise ValueError("int8 activation rows are not contiguous")
+    nblk = _nblk_q8_multi(w.size, xq.shape[1], xd.shape[1], xs.shape[1], ntok, toks, 20)
+    return _ir_dot_q8_multi(w, xq, xd, xs, toks, nblk, Q4_1)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q5_0_multi(w, xq, xd, xs, toks):
+    ntok = min(xq.shape[0], xd.shape[0], xs.shape[0])
+    if xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
+        raise ValueError("int8 activation rows are not contiguous")
+    nblk = _nblk_q8_multi(w.size, xq.shape[1], xd.shape[1], xs.shape[1], ntok, toks, 22)
+    return _ir_dot_q8_multi(w, xq, xd, xs, toks, nblk, Q5_0)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q5_1_multi(w, xq, xd, xs, toks):
+    ntok = min(xq.shape[0], xd.shape[0], xs.shape[0])
+    if xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
+        raise ValueError("int8 activation rows are not contiguous")
+    nblk = _nblk_q8_multi(w.size, xq.shape[1], xd.shape[1], xs.shape[1], ntok, toks, 24)
+    return _ir_dot_q8_multi(w, xq, xd, xs, toks, nblk, Q5_1)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q8_0_multi(w, xq, xd, xs, toks):
+    ntok = min(xq.shape[0], xd.shape[0], xs.shape[0])
+    if xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
+        raise ValueError("int8 activation rows are not contiguous")
+    nblk = _nblk_q8_multi(w.size, xq.shape[1], xd.shape[1], xs.shape[1], ntok, toks, 34)
+    return _ir_dot_q8_multi(w, xq, xd, xs, toks, nblk, Q8_0)

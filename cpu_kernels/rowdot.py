@@ -4,6 +4,9 @@ Each type module exports, for each of its types T:
   dequant_T(w u8[:], out f32[:])                  a row to float32
   dot_f32_T(w u8[:], x f32[:]) -> float32         reference path: dequantize in registers, float32 dot
   dot_q8_T(w u8[:], xq i8[:], xd f32[:], xs f32[:]) -> float32   fast path on int8 activations (actq layout)
+  dot_q8_T_multi(w u8[:], xq i8[:, :], xd f32[:, :], xs f32[:, :], toks) -> (float32,) * len(toks)
+                                                  dot_q8 of one row against several tokens (rows of the 2-D
+                                                  activations), unpacking the row once; bit-identical results
 Float weights (F32/F16/BF16) have no int8 path: the fast drivers call dot_f32 for them with the float x.
 """
 from __future__ import annotations
@@ -103,4 +106,29 @@ def dot_q8(qtype, w, xq, xd, xs):
         return kq.dot_q8_q3_k(w, xq, xd, xs)
     elif qtype == Q5_K:
         return kq.dot_q8_q5_k(w, xq, xd, xs)
+    raise ValueError("float weights take the float32 path")
+
+
+@njit(cache=True, nogil=True, inline="always")
+def dot_q8_multi(qtype, w, xq, xd, xs, toks):
+    if qtype == Q4_K:
+        return kq.dot_q8_q4_k_multi(w, xq, xd, xs, toks)
+    elif qtype == Q6_K:
+        return kq.dot_q8_q6_k_multi(w, xq, xd, xs, toks)
+    elif qtype == Q8_0:
+        return lg.dot_q8_q8_0_multi(w, xq, xd, xs, toks)
+    elif qtype == Q5_0:
+        return lg.dot_q8_q5_0_multi(w, xq, xd, xs, toks)
+    elif qtype == Q4_0:
+        return lg.dot_q8_q4_0_multi(w, xq, xd, xs, toks)
+    elif qtype == Q4_1:
+        return lg.dot_q8_q4_1_multi(w, xq, xd, xs, toks)
+    elif qtype == Q5_1:
+        return lg.dot_q8_q5_1_multi(w, xq, xd, xs, toks)
+    elif qtype == Q2_K:
+        return kq.dot_q8_q2_k_multi(w, xq, xd, xs, toks)
+    elif qtype == Q3_K:
+        return kq.dot_q8_q3_k_multi(w, xq, xd, xs, toks)
+    elif qtype == Q5_K:
+        return kq.dot_q8_q5_k_multi(w, xq, xd, xs, toks)
     raise ValueError("float weights take the float32 path")

@@ -7,6 +7,7 @@ scales is exercised. Tolerances (measured worst case on K=2048 rows in brackets)
   dot_q8         |err| <= 1e-6 * sum|terms| against float64 on the same int8 activations: the scale part on
                  xd * xq, the min part on float x, as the kernel computes them  [1.6e-8]
                  |err| <= 5e-3 * sum|w_i x_i| against the float64 dot on float x: the int8 rounding of x  [1.0e-3]
+  dot_q8_multi   bit-identical to dot_q8 on each of its tokens (same float operations in the same order)
 """
 from __future__ import annotations
 
@@ -118,20 +119,57 @@ def test_dot_q8_matches_int8_reference_and_float(name, rng):
 def test_dot_q8_generic_ir_path(name, rng):
     """The portable integer-dot IR (used where numba's target lacks AVX512-VNNI) gives the same results."""
     bs = TYPES[name][2]
-    _, _, q8 = kq._make_kernels(name, bs, getattr(kq, f"_unpack_{name}"), False)
+    _, _, q8, q8m = kq._make_kernels(name, bs, getattr(kq, f"_unpack_{name}"), False)
 
     @njit
     def dot(w, xq, xd, xs):
         return q8(w, xq, xd, xs, w.shape[0] // bs)
 
+    @njit
+    def dot3(w, xq, xd, xs):
+        return q8m(w, xq, xd, xs, (1, 0, 1), w.shape[0] // bs)
+
     w = random_rows(name, 4, 1024, rng)
     x = rng.standard_normal((2, 1024)).astype(np.float32)
     xq, xd, xs = quantize(x)
     same, mag = q8_reference(name, w, x)
-    for t in range(2):
-        for r in range(4):
+    for r in range(4):
+        for t in range(2):
             got = dot(w[r], xq[t], xd[t], xs[t])
             assert abs(got - same[t, r]) <= 1e-6 * mag[t, r], (got, same[t, r])
+        singles = [dot(w[r], xq[t], xd[t], xs[t]) for t in (1, 0, 1)]
+        np.testing.assert_array_equal(np.array(dot3(w[r], xq, xd, xs), np.float32), np.float32(singles))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dot_q8_multi_matches_single(name, rng):
+    """Each result of the multi-token kernel is bit-identical to the single-token kernel on that token, for
+    1-4 tokens in any order (repeats included), on rows of one and of eight super-blocks."""
+    multi = getattr(kq, f"dot_q8_{name}_multi")
+    single = getattr(kq, f"dot_q8_{name}")
+    for k in (256, 2048):
+        w = random_rows(name, 3, k, rng)
+        x = (rng.standard_normal((9, k)) * rng.uniform(0.1, 10, (9, 1))).astype(np.float32)
+        xq, xd, xs = quantize(x)
+        want = np.array([[single(w[r], xq[t], xd[t], xs[t]) for t in range(9)] for r in range(3)], np.float32)
+        for toks in [(4,), (0, 8), (8, 3, 3), (2, 7, 0, 5), (6, 5, 4, 1)]:
+            for r in range(3):
+                got = np.array(multi(w[r], xq, xd, xs, toks), np.float32)
+                np.testing.assert_array_equal(got, want[r, list(toks)])
+
+
+@pytest.mark.parametrize("name", ["q4_k", "q6_k"])
+def test_dot_q8_multi_bad_input_raises(name, rng):
+    multi = getattr(kq, f"dot_q8_{name}_multi")
+    w = random_rows(name, 1, 512, rng)[0]
+    xq, xd, xs = quantize(rng.standard_normal((3, 512)).astype(np.float32))
+    for toks in [(0, 3), (-1, 0), (2, 1, 0, 9)]:  # token rows out of range
+        with pytest.raises(StrataError):
+            multi(w, xq, xd, xs, toks)
+    with pytest.raises(StrataError):  # activations of another length
+        multi(w, xq[:, :256], xd[:, :8], xs[:, :16], (0, 1))
+    with pytest.raises(StrataError):  # non-contiguous activation rows
+        multi(w, np.asfortranarray(xq), xd, xs, (0, 1))
 
 
 @pytest.mark.parametrize("name", ["q4_k", "q6_k"])

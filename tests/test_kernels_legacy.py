@@ -9,6 +9,7 @@ Tolerances (measured worst case over these tests in brackets):
   dot_q8    |err| <= 1e-6 * sum|terms| against float64 on the same int8 activations (xd * xq), the Q4_1/Q5_1
             min term on the exact float sums of x, as the kernel computes them  [8e-8]
             |err| <= 2e-2 * sum|w_i x_i| against the float64 dot on float x: the int8 rounding of x  [4.1e-3]
+  dot_q8_multi  bit-identical to dot_q8 on each of its tokens (same float operations in the same order)
 """
 from __future__ import annotations
 
@@ -139,6 +140,35 @@ def test_legacy_dot_q8(name, nblk):
     # against the float activations: the int8 rounding of x, bounded loosely (measured worst case 4.1e-3)
     ref = dequantize(w, LEGACY[name][0]).reshape(-1).astype(np.float64)
     _assert_dot(got, ref @ x, np.abs(ref * x).sum(), 2e-2)
+
+
+@pytest.mark.parametrize("name", list(LEGACY))
+def test_legacy_dot_q8_multi_matches_single(name):
+    """Each result of the multi-token kernel is bit-identical to the single-token kernel on that token, for
+    1-4 tokens in any order (repeats included), over the unroll/pair remainders of the block loop."""
+    rng = np.random.default_rng(400)
+    multi, single = getattr(lg, f"dot_q8_{name}_multi"), getattr(lg, f"dot_q8_{name}")
+    for nblk in NBLOCKS:
+        w = legacy_row(name, nblk, rng)
+        x = np.stack([activations(nblk * 32, rng) * rng.uniform(0.1, 10) for _ in range(9)])
+        xq, xd, xs = quantize(x)
+        want = np.array([single(w, xq[t], xd[t], xs[t]) for t in range(9)], np.float32)
+        for toks in [(4,), (0, 8), (8, 3, 3), (2, 7, 0, 5), (6, 5, 4, 1)]:
+            np.testing.assert_array_equal(np.array(multi(w, xq, xd, xs, toks), np.float32), want[list(toks)])
+
+
+@pytest.mark.parametrize("name", list(LEGACY))
+def test_legacy_dot_q8_multi_refuses_bad_input(name):
+    rng = np.random.default_rng(3)
+    w = legacy_row(name, 4, rng)
+    xq, xd, xs = quantize(rng.standard_normal((3, 4 * 32)).astype(np.float32))
+    for toks in [(0, 3), (-1, 0), (2, 1, 0, 9)]:  # token rows out of range
+        with pytest.raises(ValueError):
+            getattr(lg, f"dot_q8_{name}_multi")(w, xq, xd, xs, toks)
+    with pytest.raises(ValueError):  # activations of another length
+        getattr(lg, f"dot_q8_{name}_multi")(w, xq[:, :96], xd[:, :3], xs[:, :6], (0, 1))
+    with pytest.raises(ValueError):  # non-contiguous activation rows
+        getattr(lg, f"dot_q8_{name}_multi")(w, np.asfortranarray(xq), xd, xs, (0, 1))
 
 
 @pytest.mark.parametrize("name", list(LEGACY))

@@ -5,6 +5,9 @@ supports, on shapes that are not a multiple of the 16-row task block. Outputs ar
 Tolerances: float32 path 1e-5 * (|W| @ |x|) against the float64 product; int8 path 2e-2 * (|W| @ |x|) against
 the float64 product on float x (the int8 rounding of x; the row kernels' own tests bound it tightly) and
 1e-6 relative against the same row kernel called one row at a time (the driver must not change the result).
+The int8 drivers serve up to four tokens per row unpack with the multi-token row kernels; for token counts and
+expert group sizes that exercise every remainder of that grouping, their output is bit-identical to the
+single-token kernel called per (row, token).
 """
 from __future__ import annotations
 
@@ -115,6 +118,65 @@ def test_moe_matmul(qtype, fast):
             xt = x[tok_idx[j]].astype(np.float64)
             rtol = 2e-2 if fast and qtype not in FLOAT_TYPES else 1e-5
             check_close(out[j], wf @ xt, np.abs(wf) @ np.abs(xt), rtol)
+
+
+QUANT_TYPES = [pytest.param(q, id=QUANT_INFO[q][0]) for q in SUPPORTED if q not in FLOAT_TYPES]
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_multi_token_drivers_match_single_token_kernel(qtype):
+    """matmul_q8 for T in {2, 3, 4, 5, 7, 9} and moe_matmul over groups of 9, 2, 0, 4, 1, 3, 5 and 7 tokens:
+    bit-identical to dot_q8 per (row, token), and within the int8 tolerance of numpy on float x."""
+    rng = np.random.default_rng(qtype + 500)
+    n_exp = 8
+    experts = [random_matrix(qtype, ROWS, K, rng) for _ in range(n_exp)]
+    for w in experts:
+        w.setflags(write=False)
+    w = experts[0]
+    wf = gguf_matrix(qtype, w)
+    for ntok in (2, 3, 4, 5, 7, 9):
+        x = rng.standard_normal((ntok, K)).astype(np.float32)
+        xq, xd, xs = quantize(x)
+        out = np.full((ntok, ROWS), np.nan, np.float32)
+        matmul_q8(qtype, w, x, xq, xd, xs, out)
+        single = np.full((ntok, ROWS), np.nan, np.float32)
+        _rowwise_q8(qtype, w, xq, xd, xs, single)
+        np.testing.assert_array_equal(out, single)
+        check_close(out, x.astype(np.float64) @ wf.T, np.abs(x).astype(np.float64) @ np.abs(wf).T, 2e-2)
+
+    rb = row_bytes(qtype, K)
+    buf = np.concatenate([np.zeros(32, np.uint8)] + [e.reshape(-1) for e in experts[::-1]])
+    buf.setflags(write=False)
+    base = np.array([32 + (n_exp - 1 - e) * ROWS * rb for e in range(n_exp)], np.int64)  # expert e's offset
+    counts = [9, 2, 0, 4, 1, 3, 5, 7]
+    ntok = 9
+    grp_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    tok_idx = np.concatenate([rng.choice(ntok, c, replace=False) for c in counts]).astype(np.int64)
+    x = rng.standard_normal((ntok, K)).astype(np.float32)
+    xq, xd, xs = quantize(x)
+    out = np.full((tok_idx.size, ROWS), np.nan, np.float32)
+    moe_matmul(True, qtype, buf, base, ROWS, rb, grp_start, tok_idx, x, xq, xd, xs, out)
+    for g in range(n_exp):
+        single = np.full((ntok, ROWS), np.nan, np.float32)
+        _rowwise_q8(qtype, experts[g], xq, xd, xs, single)
+        wf = gguf_matrix(qtype, experts[g])
+        for j in range(grp_start[g], grp_start[g + 1]):
+            t = tok_idx[j]
+            np.testing.assert_array_equal(out[j], single[t])
+            check_close(out[j], wf @ x[t].astype(np.float64), np.abs(wf) @ np.abs(x[t]).astype(np.float64), 2e-2)
+
+
+def test_moe_matmul_refuses_expert_outside_buffer():
+    from strata_nb.errors import StrataError
+
+    rb = row_bytes(Q8_0, K)
+    buf = np.zeros(4 * rb, np.uint8)
+    xq, xd, xs = quantize(np.zeros((1, K), np.float32))
+    out = np.zeros((1, 4), np.float32)
+    for off in (1, -1):  # four rows from byte 1 run one byte past the end; a negative offset
+        with pytest.raises(StrataError):
+            moe_matmul(True, Q8_0, buf, np.array([off], np.int64), 4, rb, np.array([0, 1], np.int64),
+                       np.zeros(1, np.int64), np.zeros((1, K), np.float32), xq, xd, xs, out)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
