@@ -21,9 +21,9 @@ import numpy as np
 
 import strata_nb  # noqa: F401  (numba environment before numba is imported)
 import numba
-from numba import njit, prange
 from strata_nb.cpu_kernels.actq import quantize
 from strata_nb.cpu_kernels.matmul import matmul_f32, matmul_q8, moe_matmul
+from strata_nb.cpu_kernels.membw import read_sweep
 from strata_nb.cpu_kernels.qtypes import FLOAT_TYPES, QUANT_INFO, SUPPORTED, name, row_bytes
 
 KERNELS = ("matmul_q8", "matmul_f32", "moe_q8", "moe_f32")
@@ -48,28 +48,6 @@ def valid_blocks(qtype: int, nbytes: int, rng: np.random.Generator) -> np.ndarra
         pat = pat.reshape(-1)
     reps = -(-nbytes // pat.size)
     return np.tile(pat, reps)[:nbytes]
-
-
-@njit(cache=True, parallel=True)
-def _sum_u64(a):
-    """Sum of a uint64 array in 64 prange chunks; each chunk a 1-D view, so the inner loop vectorizes."""
-    nchunk = 64
-    step = (a.shape[0] + nchunk - 1) // nchunk
-    part = np.zeros(nchunk, np.uint64)
-    for c in prange(nchunk):
-        chunk = a[c * step:min(a.shape[0], (c + 1) * step)]
-        s = np.uint64(0)
-        for i in range(chunk.shape[0]):
-            s += chunk[i]
-        part[c] = s
-    return part.sum()
-
-
-def read_sweep(a: np.ndarray) -> float:
-    """GB/s of one parallel read of a."""
-    t0 = time.perf_counter()
-    _sum_u64(a)
-    return a.nbytes / (time.perf_counter() - t0) / 1e9
 
 
 class TypeCase:

@@ -16,17 +16,24 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
-def _progress(label: str, total: int):
-    """A click progress bar driven by (done, total) callbacks."""
-    bar = click.progressbar(length=total, label=label, file=sys.stderr, show_pos=False, show_percent=True,
-                            show_eta=True)
-    state = {"done": 0}
+class _Progress:
+    """A click progress bar on stderr fed by (done, total) callbacks; created on the first call."""
 
-    def update(done: int, _total: int) -> None:
-        bar.update(done - state["done"])
-        state["done"] = done
+    def __init__(self, label: str):
+        self.label = label
+        self.bar = None
+        self.done = 0
 
-    return bar, update
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr, show_pos=False,
+                                         show_percent=True, show_eta=True)
+        self.bar.update(done - self.done)
+        self.done = done
+
+    def finish(self) -> None:
+        if self.bar is not None:
+            self.bar.render_finish()
 
 
 def _save_npy_atomic(path: str, arr: np.ndarray) -> None:
@@ -155,34 +162,18 @@ def run_pack(model: str, output: str | None, verify: bool) -> None:
         secs = packmod.verify_pack(pack_path, model)
         click.echo(f"{pack_path} matches {model} (every expert re-hashed in {secs:.1f} s)")
         return
-    bar, update = None, None
-
-    def progress(done: int, total: int) -> None:
-        nonlocal bar, update
-        if bar is None:
-            bar, update = _progress("packing experts", total)
-        update(done, total)
-
+    progress = _Progress("packing experts")
     path = packmod.write_pack(model, output, progress=progress)
-    if bar is not None:
-        bar.render_finish()
+    progress.finish()
     click.echo(f"wrote {path} ({_gb(Path(path).stat().st_size)})")
 
 
 def run_synth(preset, arch, layers, quant, seed, output) -> None:
     from strata_nb.synth import write_synthetic
 
-    bar, update = None, None
-
-    def progress(done: int, total: int) -> None:
-        nonlocal bar, update
-        if bar is None:
-            bar, update = _progress("writing tensors", total)
-        update(done, total)
-
+    progress = _Progress("writing tensors")
     summary = write_synthetic(output, preset, arch=arch, layers=layers, quant=quant, seed=seed, progress=progress)
-    if bar is not None:
-        bar.render_finish()
+    progress.finish()
     size = Path(output).stat().st_size
     click.echo(f"wrote {output} ({_gb(size)}): {summary.get('arch', '')} preset {preset}, {quant}, random weights")
 
