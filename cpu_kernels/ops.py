@@ -6,6 +6,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from strata_nb.cpu_kernels.actq import quantize_row
+
 
 @njit(cache=True, parallel=True, fastmath=True)
 def rmsnorm(x, w, eps, out):
@@ -18,6 +20,20 @@ def rmsnorm(x, w, eps, out):
         inv = np.float32(1.0) / np.float32(math.sqrt(ss / d + eps))
         for i in range(d):
             out[t, i] = x[t, i] * inv * w[i]
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def rmsnorm_quant(x, w, eps, out, xq, xd, xs):
+    """rmsnorm into out, and out quantized to int8 (actq layout) in the same pass: one kernel call, not two."""
+    n, d = x.shape
+    for t in prange(n):
+        ss = np.float32(0.0)
+        for i in range(d):
+            ss += x[t, i] * x[t, i]
+        inv = np.float32(1.0) / np.float32(math.sqrt(ss / d + eps))
+        for i in range(d):
+            out[t, i] = x[t, i] * inv * w[i]
+        quantize_row(out[t], xq[t], xd[t], xs[t])
 
 
 @njit(cache=True)

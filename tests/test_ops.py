@@ -111,3 +111,22 @@ def test_group_and_combine():
     for j in range(8):
         ref[tok[j]] += wts[tok[j], slot[j]] * y[j]
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rmsnorm_quant_is_rmsnorm_then_quantize():
+    from strata_nb.cpu_kernels import actq
+
+    x = RNG.standard_normal((3, 128)).astype(np.float32)
+    w = RNG.standard_normal(128).astype(np.float32)
+    out = np.full_like(x, np.nan)
+    xq = np.zeros((3, 128), np.int8)
+    xd = np.full((3, 4), np.nan, np.float32)
+    xs = np.full((3, 8), np.nan, np.float32)
+    ops.rmsnorm_quant(x, w, np.float32(1e-6), out, xq, xd, xs)
+    ref = np.empty_like(x)
+    ops.rmsnorm(x, w, np.float32(1e-6), ref)
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-7)
+    q, d, s = actq.quantize(out)
+    np.testing.assert_array_equal(xq, q)
+    np.testing.assert_array_equal(xd, d)
+    np.testing.assert_array_equal(xs, s)

@@ -74,6 +74,17 @@ class CPUBackend:
         ops.rmsnorm(x, w, np.float32(self.spec.rms_eps), out)
         return out
 
+    def norm_act(self, x: np.ndarray, w: np.ndarray) -> Activation:
+        """rmsnorm(x) * w as the input of matmuls; on the fast path quantized in the same kernel call."""
+        if not self.fast or x.shape[1] % 32:
+            return Activation(self.norm(x, w))
+        t, k = x.shape
+        a = Activation(np.empty_like(x))
+        q = (np.empty((t, k), np.int8), np.empty((t, k // 32), np.float32), np.empty((t, k // 16), np.float32))
+        ops.rmsnorm_quant(x, w, np.float32(self.spec.rms_eps), a.x, *q)
+        a._q = q
+        return a
+
     def ffn(self, gate: Linear, up: Linear, down: Linear, a: Activation) -> np.ndarray:
         h = np.empty((a.x.shape[0], gate.n_out), np.float32)
         ops.silu_mul(self.linear(gate, a), self.linear(up, a), h)
@@ -83,7 +94,7 @@ class CPUBackend:
     def attention(self, lw: LayerWeights, layer: int, x: np.ndarray, session: Session, cos, sin) -> np.ndarray:
         s = self.spec
         t = x.shape[0]
-        a = Activation(self.norm(x, lw.attn_norm))
+        a = self.norm_act(x, lw.attn_norm)
         q, k, v = self.linear(lw.wq, a), self.linear(lw.wk, a), self.linear(lw.wv, a)
         if s.qk_norm == "full":
             q, k = self.norm(q, lw.q_norm), self.norm(k, lw.k_norm)
@@ -116,12 +127,20 @@ class CPUBackend:
         src = self.experts
         mg, mu, md = src.matrix(layer, "gate"), src.matrix(layer, "up"), src.matrix(layer, "down")
         xq, xd, xs = a.q() if self.fast else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
-        g = np.empty((n, mg.rows), np.float32)
-        u = np.empty((n, mu.rows), np.float32)
-        moe_matmul(self.fast, mg.qtype, src.buf, mg.offsets[experts], mg.rows, mg.row_bytes, grp_start, entry_tok,
-                   a.x, xq, xd, xs, g)
-        moe_matmul(self.fast, mu.qtype, src.buf, mu.offsets[experts], mu.rows, mu.row_bytes, grp_start, entry_tok,
-                   a.x, xq, xd, xs, u)
+        if (mg.qtype, mg.rows, mg.row_bytes) == (mu.qtype, mu.rows, mu.row_bytes):
+            # gate and up as one grouped call: one parallel region, twice the tasks to balance
+            gu = np.empty((2 * n, mg.rows), np.float32)
+            moe_matmul(self.fast, mg.qtype, src.buf, np.concatenate((mg.offsets[experts], mu.offsets[experts])),
+                       mg.rows, mg.row_bytes, np.concatenate((grp_start, grp_start[1:] + n)),
+                       np.concatenate((entry_tok, entry_tok)), a.x, xq, xd, xs, gu)
+            g, u = gu[:n], gu[n:]
+        else:
+            g = np.empty((n, mg.rows), np.float32)
+            u = np.empty((n, mu.rows), np.float32)
+            moe_matmul(self.fast, mg.qtype, src.buf, mg.offsets[experts], mg.rows, mg.row_bytes, grp_start,
+                       entry_tok, a.x, xq, xd, xs, g)
+            moe_matmul(self.fast, mu.qtype, src.buf, mu.offsets[experts], mu.rows, mu.row_bytes, grp_start,
+                       entry_tok, a.x, xq, xd, xs, u)
         h = np.empty_like(g)
         ops.silu_mul(g, u, h)
         ha = Activation(h)
@@ -160,14 +179,14 @@ class CPUBackend:
                                    self._corr[0], self._corr[1], self.w.rope_freqs.astype(np.float64))
         for i, lw in enumerate(self.w.layers):
             x += self.attention(lw, i, x, session, cos, sin)
-            a = Activation(self.norm(x, lw.ffn_norm))
+            a = self.norm_act(x, lw.ffn_norm)
             if lw.router is not None:
                 x += self.moe(lw, i, a)
             else:
                 x += self.ffn(lw.ffn_gate, lw.ffn_up, lw.ffn_down, a)
         if not all_logits:
             x = x[-1:]
-        logits = self.linear(self.w.output, Activation(self.norm(x, self.w.output_norm)))
+        logits = self.linear(self.w.output, self.norm_act(x, self.w.output_norm))
         session.advance([int(v) for v in tokens])
         st = self.stats
         st.calls += 1
