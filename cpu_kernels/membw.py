@@ -27,10 +27,3 @@ def read_sweep(a: np.ndarray) -> float:
     t0 = time.perf_counter()
     _sum_u64(a)
     return a.nbytes / (time.perf_counter() - t0) / 1e9
-
-
-def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """Median GB/s of parallel sums over nbytes of anonymous memory (touched first, so no page faults)."""
-    a = np.ones(nbytes // 8, np.uint64)
-    _sum_u64(a[:1024])
-    return float(np.median([read_sweep(a) for _ in range(reps)]))
