@@ -6,7 +6,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from strata_nb.cpu_kernels.actq import quantize_row
+from strata_nb.cpu_kernels.actq import quantize_row, quantize_rows
 
 
 @njit(cache=True, parallel=True, fastmath=True)
@@ -220,3 +220,41 @@ def moe_combine(y, wts, entry_tok, entry_slot, out):
             w = wts[t, entry_slot[j]]
             for i in range(c * 256, i1):
                 out[t, i] += w * y[j, i]
+
+
+QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_FULL = 0, 1, 2
+
+
+@njit(cache=True)
+def attention_block(q, k, v, q_norm, k_norm, qk_norm, eps, cos, sin, neox, kc, vc, pos0, scale, out):
+    """Everything between the Q/K/V projections and the output projection, in one compiled call.
+
+    q f32[T, H*hd], k and v f32[T, Hkv*hd] (normalized and rotated in place); qk_norm: QK_NORM_* (per head over
+    hd, or over all heads at once); then the KV append at pos0 and causal GQA attention into out f32[T, H, hd].
+    Saves the per-call dispatch of six kernels per layer on the decode path.
+    """
+    ntok = q.shape[0]
+    hd = out.shape[2]
+    nh = out.shape[1]
+    nkv = kc.shape[0]
+    if qk_norm == QK_NORM_FULL:
+        rmsnorm(q, q_norm, eps, q)
+        rmsnorm(k, k_norm, eps, k)
+    q3 = q.reshape(ntok, nh, hd)
+    k3 = k.reshape(ntok, nkv, hd)
+    if qk_norm == QK_NORM_HEAD:
+        qh = q.reshape(ntok * nh, hd)
+        kh = k.reshape(ntok * nkv, hd)
+        rmsnorm(qh, q_norm, eps, qh)
+        rmsnorm(kh, k_norm, eps, kh)
+    rope_apply(q3, cos, sin, neox)
+    rope_apply(k3, cos, sin, neox)
+    kv_write(kc, vc, k3, v.reshape(ntok, nkv, hd), pos0)
+    attention(q3, kc, vc, pos0, scale, out)
+
+
+@njit(cache=True)
+def swiglu_quant(g, u, h, hq, hd, hs):
+    """h = silu(g) * u, and h quantized to int8 (actq layout) for the down projection, in one call."""
+    silu_mul(g, u, h)
+    quantize_rows(h, hq, hd, hs)

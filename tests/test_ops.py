@@ -130,3 +130,52 @@ def test_rmsnorm_quant_is_rmsnorm_then_quantize():
     np.testing.assert_array_equal(xq, q)
     np.testing.assert_array_equal(xd, d)
     np.testing.assert_array_equal(xs, s)
+
+
+@pytest.mark.parametrize("mode", [ops.QK_NORM_NONE, ops.QK_NORM_HEAD, ops.QK_NORM_FULL])
+def test_attention_block_is_the_kernels_in_sequence(mode):
+    t, h, hkv, hd, pos0 = 3, 4, 2, 16, 2
+    q = RNG.standard_normal((t, h * hd)).astype(np.float32)
+    k = RNG.standard_normal((t, hkv * hd)).astype(np.float32)
+    v = RNG.standard_normal((t, hkv * hd)).astype(np.float32)
+    n = {ops.QK_NORM_NONE: 1, ops.QK_NORM_HEAD: hd, ops.QK_NORM_FULL: None}[mode]
+    qn = RNG.standard_normal(n or h * hd).astype(np.float32)
+    kn = RNG.standard_normal(n or hkv * hd).astype(np.float32)
+    cos, sin = ops.rope_tables(np.arange(pos0, pos0 + t, dtype=np.float64), hd, 1e4, 1.0, 0.0, 1.0, 0.0, 0.0,
+                               np.ones(hd // 2))
+    kc, vc = np.zeros((hkv, 8, hd), np.float32), np.zeros((hkv, 8, hd), np.float32)
+    out = np.full((t, h, hd), np.nan, np.float32)
+    ops.attention_block(q.copy(), k.copy(), v.copy(), qn, kn, mode, np.float32(1e-6), cos, sin, True, kc, vc, pos0,
+                        np.float32(0.25), out)
+    # the same steps, one kernel at a time
+    q2, k2 = q.copy(), k.copy()
+    if mode == ops.QK_NORM_FULL:
+        ops.rmsnorm(q.copy(), qn, np.float32(1e-6), q2)
+        ops.rmsnorm(k.copy(), kn, np.float32(1e-6), k2)
+    if mode == ops.QK_NORM_HEAD:
+        ops.rmsnorm(q.reshape(-1, hd).copy(), qn, np.float32(1e-6), q2.reshape(-1, hd))
+        ops.rmsnorm(k.reshape(-1, hd).copy(), kn, np.float32(1e-6), k2.reshape(-1, hd))
+    q3, k3 = q2.reshape(t, h, hd), k2.reshape(t, hkv, hd)
+    ops.rope_apply(q3, cos, sin, True)
+    ops.rope_apply(k3, cos, sin, True)
+    kc2, vc2 = np.zeros_like(kc), np.zeros_like(vc)
+    ops.kv_write(kc2, vc2, k3, v.reshape(t, hkv, hd), pos0)
+    ref = np.empty_like(out)
+    ops.attention(q3, kc2, vc2, pos0, np.float32(0.25), ref)
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(kc, kc2)
+
+
+def test_swiglu_quant():
+    from strata_nb.cpu_kernels import actq
+
+    g = RNG.standard_normal((3, 64)).astype(np.float32)
+    u = RNG.standard_normal((3, 64)).astype(np.float32)
+    h = np.full_like(g, np.nan)
+    hq, hd, hs = np.zeros((3, 64), np.int8), np.full((3, 2), np.nan, np.float32), np.full((3, 4), np.nan, np.float32)
+    ops.swiglu_quant(g, u, h, hq, hd, hs)
+    ref = np.empty_like(g)
+    ops.silu_mul(g, u, ref)
+    np.testing.assert_array_equal(h, ref)
+    for a, b in zip((hq, hd, hs), actq.quantize(ref)):
+        np.testing.assert_array_equal(a, b)

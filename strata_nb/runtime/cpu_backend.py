@@ -56,6 +56,7 @@ class CPUBackend:
         self.stats = ForwardStats()
         r = spec.rope
         self._corr = r.corr_dims() if r.ext_factor else (0.0, 0.0)
+        self._qk_mode = {"none": ops.QK_NORM_NONE, "head": ops.QK_NORM_HEAD, "full": ops.QK_NORM_FULL}[spec.qk_norm]
 
     # -- building blocks ----------------------------------------------------------------------------------
     def linear(self, m: Linear, a: Activation) -> np.ndarray:
@@ -96,19 +97,11 @@ class CPUBackend:
         t = x.shape[0]
         a = self.norm_act(x, lw.attn_norm)
         q, k, v = self.linear(lw.wq, a), self.linear(lw.wk, a), self.linear(lw.wv, a)
-        if s.qk_norm == "full":
-            q, k = self.norm(q, lw.q_norm), self.norm(k, lw.k_norm)
-        q = q.reshape(t, s.n_head, s.head_dim)
-        k = k.reshape(t, s.n_head_kv, s.head_dim)
-        if s.qk_norm == "head":
-            q = self.norm(q.reshape(-1, s.head_dim), lw.q_norm).reshape(q.shape)
-            k = self.norm(k.reshape(-1, s.head_dim), lw.k_norm).reshape(k.shape)
-        neox = s.rope.style == "neox"
-        ops.rope_apply(q, cos, sin, neox)
-        ops.rope_apply(k, cos, sin, neox)
-        ops.kv_write(session.k[layer], session.v[layer], k, v.reshape(t, s.n_head_kv, s.head_dim), session.pos)
-        o = np.empty_like(q)
-        ops.attention(q, session.k[layer], session.v[layer], session.pos, np.float32(1.0 / math.sqrt(s.head_dim)), o)
+        o = np.empty((t, s.n_head, s.head_dim), np.float32)
+        ops.attention_block(q, k, v, _ONE if lw.q_norm is None else lw.q_norm,
+                            _ONE if lw.k_norm is None else lw.k_norm, self._qk_mode, np.float32(s.rms_eps), cos, sin,
+                            s.rope.style == "neox", session.k[layer], session.v[layer], session.pos,
+                            np.float32(1.0 / math.sqrt(s.head_dim)), o)
         return self.linear(lw.wo, Activation(o.reshape(t, s.q_dim)))
 
     def moe(self, lw: LayerWeights, layer: int, a: Activation) -> np.ndarray:
@@ -142,9 +135,13 @@ class CPUBackend:
             moe_matmul(self.fast, mu.qtype, src.buf, mu.offsets[experts], mu.rows, mu.row_bytes, grp_start,
                        entry_tok, a.x, xq, xd, xs, u)
         h = np.empty_like(g)
-        ops.silu_mul(g, u, h)
-        ha = Activation(h)
-        hq, hd, hs = ha.q() if self.fast else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
+        if self.fast and h.shape[1] % 32 == 0:
+            hq, hd, hs = np.empty(h.shape, np.int8), np.empty((n, h.shape[1] // 32), np.float32), \
+                np.empty((n, h.shape[1] // 16), np.float32)
+            ops.swiglu_quant(g, u, h, hq, hd, hs)
+        else:
+            ops.silu_mul(g, u, h)
+            hq, hd, hs = Activation(h).q() if self.fast else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
         y = np.empty((n, md.rows), np.float32)
         moe_matmul(self.fast, md.qtype, src.buf, md.offsets[experts], md.rows, md.row_bytes, grp_start,
                    np.arange(n, dtype=np.int64), h, hq, hd, hs, y)
@@ -196,5 +193,6 @@ class CPUBackend:
         return logits
 
 
+_ONE = np.ones(1, np.float32)  # stands in for an absent QK-norm weight
 _EMPTY_Q = np.zeros((1, 32), np.int8)
 _EMPTY_D = np.zeros((1, 2), np.float32)
