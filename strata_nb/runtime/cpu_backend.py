@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,15 +21,11 @@ from strata_nb.runtime.session import Session
 
 @dataclass
 class ForwardStats:
-    """Accumulated over forward calls; expert_s + other_s is the wall time of the forwards."""
+    """Accumulated over forward calls: time in the routed-expert FFNs and weight bytes read."""
 
     expert_s: float = 0.0
-    other_s: float = 0.0
     expert_bytes: int = 0
     dense_bytes: int = 0
-    calls: int = 0
-    tokens: int = 0
-    expert_hits: dict = field(default_factory=dict)
 
 
 class Activation:
@@ -37,9 +33,13 @@ class Activation:
 
     __slots__ = ("x", "_q")
 
-    def __init__(self, x: np.ndarray):
+    def __init__(self, x: np.ndarray, q: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
         self.x = x
-        self._q = None
+        self._q = q
+
+    @staticmethod
+    def empty_q(t: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return np.empty((t, k), np.int8), np.empty((t, k // 32), np.float32), np.empty((t, k // 16), np.float32)
 
     def q(self):
         if self._q is None:
@@ -79,17 +79,22 @@ class CPUBackend:
         """rmsnorm(x) * w as the input of matmuls; on the fast path quantized in the same kernel call."""
         if not self.fast or x.shape[1] % 32:
             return Activation(self.norm(x, w))
-        t, k = x.shape
-        a = Activation(np.empty_like(x))
-        q = (np.empty((t, k), np.int8), np.empty((t, k // 32), np.float32), np.empty((t, k // 16), np.float32))
-        ops.rmsnorm_quant(x, w, np.float32(self.spec.rms_eps), a.x, *q)
-        a._q = q
+        a = Activation(np.empty_like(x), Activation.empty_q(*x.shape))
+        ops.rmsnorm_quant(x, w, np.float32(self.spec.rms_eps), a.x, *a._q)
+        return a
+
+    def swiglu(self, g: np.ndarray, u: np.ndarray) -> Activation:
+        """silu(g) * u as the input of a down projection; on the fast path quantized in the same call."""
+        if not self.fast or g.shape[1] % 32:
+            h = np.empty_like(g)
+            ops.silu_mul(g, u, h)
+            return Activation(h)
+        a = Activation(np.empty_like(g), Activation.empty_q(*g.shape))
+        ops.swiglu_quant(g, u, a.x, *a._q)
         return a
 
     def ffn(self, gate: Linear, up: Linear, down: Linear, a: Activation) -> np.ndarray:
-        h = np.empty((a.x.shape[0], gate.n_out), np.float32)
-        ops.silu_mul(self.linear(gate, a), self.linear(up, a), h)
-        return self.linear(down, Activation(h))
+        return self.linear(down, self.swiglu(self.linear(gate, a), self.linear(up, a)))
 
     # -- layers -------------------------------------------------------------------------------------------
     def attention(self, lw: LayerWeights, layer: int, x: np.ndarray, session: Session, cos, sin) -> np.ndarray:
@@ -134,23 +139,15 @@ class CPUBackend:
                        entry_tok, a.x, xq, xd, xs, g)
             moe_matmul(self.fast, mu.qtype, src.buf, mu.offsets[experts], mu.rows, mu.row_bytes, grp_start,
                        entry_tok, a.x, xq, xd, xs, u)
-        h = np.empty_like(g)
-        if self.fast and h.shape[1] % 32 == 0:
-            hq, hd, hs = np.empty(h.shape, np.int8), np.empty((n, h.shape[1] // 32), np.float32), \
-                np.empty((n, h.shape[1] // 16), np.float32)
-            ops.swiglu_quant(g, u, h, hq, hd, hs)
-        else:
-            ops.silu_mul(g, u, h)
-            hq, hd, hs = Activation(h).q() if self.fast else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
+        ha = self.swiglu(g, u)
+        hq, hd, hs = ha.q() if self.fast else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
         y = np.empty((n, md.rows), np.float32)
         moe_matmul(self.fast, md.qtype, src.buf, md.offsets[experts], md.rows, md.row_bytes, grp_start,
-                   np.arange(n, dtype=np.int64), h, hq, hd, hs, y)
+                   np.arange(n, dtype=np.int64), ha.x, hq, hd, hs, y)
         out = np.zeros((t, s.n_embd), np.float32)
         ops.moe_combine(y, wts, entry_tok, entry_slot, out)
         self.stats.expert_s += time.perf_counter() - t0
         self.stats.expert_bytes += len(experts) * (mg.nbytes + mu.nbytes + md.nbytes)
-        counts_l = self.stats.expert_hits.setdefault(layer, np.zeros(s.n_expert, np.int64))
-        counts_l[experts] += np.diff(grp_start)
 
         if lw.shexp_gate is not None:
             sh = self.ffn(lw.shexp_gate, lw.shexp_up, lw.shexp_down, a)
@@ -162,8 +159,6 @@ class CPUBackend:
     # -- the whole model ----------------------------------------------------------------------------------
     def forward(self, session: Session, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Run tokens at the session's position; returns logits f32[T, vocab] (or [1, vocab] for the last)."""
-        t_start = time.perf_counter()
-        e_start = self.stats.expert_s
         s = self.spec
         tokens = np.asarray(tokens, np.int64)
         t = len(tokens)
@@ -185,11 +180,7 @@ class CPUBackend:
             x = x[-1:]
         logits = self.linear(self.w.output, self.norm_act(x, self.w.output_norm))
         session.advance([int(v) for v in tokens])
-        st = self.stats
-        st.calls += 1
-        st.tokens += t
-        st.dense_bytes += self.w.dense_bytes_per_token()
-        st.other_s += (time.perf_counter() - t_start) - (st.expert_s - e_start)
+        self.stats.dense_bytes += self.w.dense_bytes_per_token()
         return logits
 
 

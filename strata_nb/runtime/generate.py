@@ -24,7 +24,6 @@ class GenerationResult:
     decode_s: float  # wall time of the decode steps
     decode_steps: int  # forwards of one token each inside decode_s
     expert_s: float = 0.0  # time in expert FFNs during decode
-    decode_other_s: float = 0.0  # the rest of the decode forwards
     expert_bytes: int = 0  # routed-expert weight bytes read during decode
     dense_bytes: int = 0  # dense weight bytes read during decode
     logits: list[np.ndarray] = field(default_factory=list)  # when dumping: one [rows, vocab] block per forward
@@ -60,7 +59,7 @@ def generate(backend: Backend, session: Session, prompt: Sequence[int], max_new:
     if max_new > 0:
         tok = sampler.sample(logits[-1], history)
     prompt_s = time.perf_counter() - t0
-    e0 = (stats.expert_s, stats.other_s, stats.expert_bytes, stats.dense_bytes) if stats else (0, 0, 0, 0)
+    e0 = (stats.expert_s, stats.expert_bytes, stats.dense_bytes) if stats else (0.0, 0, 0)
     t1 = time.perf_counter()
     steps = 0
     while max_new > 0:
@@ -88,7 +87,6 @@ def generate(backend: Backend, session: Session, prompt: Sequence[int], max_new:
                            decode_s=decode_s, decode_steps=steps, logits=kept)
     if stats:
         res.expert_s = stats.expert_s - e0[0]
-        res.decode_other_s = stats.other_s - e0[1]
-        res.expert_bytes = stats.expert_bytes - e0[2]
-        res.dense_bytes = stats.dense_bytes - e0[3]
+        res.expert_bytes = stats.expert_bytes - e0[1]
+        res.dense_bytes = stats.dense_bytes - e0[2]
     return res
