@@ -59,15 +59,18 @@ def run_generate(*, model, prompt, token_ids, chat, system, n_predict, ctx, thre
     if token_ids is None:
         if not prompt:
             raise StrataError("empty prompt: nothing to run")
-        text = prompt
+        text, add_special = prompt, True
         if chat:
             template = eng.gguf.get("tokenizer.chat_template")
             if not template:
                 raise StrataError(f"{Path(model).name} has no tokenizer.chat_template; drop --chat")
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            text = render_chat(template, msgs, add_generation_prompt=True, bos_token=_text(tok, tok.bos_id),
+            bos = _text(tok, tok.bos_id)
+            text = render_chat(template, msgs, add_generation_prompt=True, bos_token=bos,
                                eos_token=_text(tok, tok.eos_id))
-        token_ids = tok.encode(text, add_special=True, parse_special=chat)
+            add_special = not (bos and text.startswith(bos))  # a template that writes BOS itself: no second one
+        # Special tokens in the text are parsed, as llama.cpp's own tools do.
+        token_ids = tok.encode(text, add_special=add_special, parse_special=True)
     toks = eng.check_tokens(token_ids)
     if len(toks) + n_predict > ctx:
         raise StrataError(f"prompt ({len(toks)} tokens) + -n {n_predict} exceed the context (--ctx {ctx})")
@@ -75,6 +78,7 @@ def run_generate(*, model, prompt, token_ids, chat, system, n_predict, ctx, thre
         click.echo(banner, err=True)
     dec = StreamDecoder(tok, lstrip_first=False)  # generated text continues the prompt, as llama.cpp prints it
     stop = set(tok.eog_ids)
+
     def on_token(t: int) -> None:
         if t in stop:
             return

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from strata_nb.api import load
+from strata_nb.model.chat import render_chat
 from strata_nb.cli.main import main
 from strata_nb.synth import write_synthetic
 
@@ -59,9 +60,20 @@ def test_seed_gives_same_text(model):
     assert a.exit_code == 0 and a.stdout == b.stdout
 
 
-def test_chat_prompt_runs(model):
-    res = run("generate", "-m", model, "-p", "Write a haiku", "--chat", "--system", "be brief", "-n", "8")
+def test_chat_prompt_is_the_rendered_template(model, tmp_path):
+    out = tmp_path / "chat.npy"
+    res = run("generate", "-m", model, "-p", "Write a haiku", "--chat", "--system", "be brief", "-n", "3",
+              "--dump-logits", out)
     assert res.exit_code == 0, res.stderr
+    eng = load(model, n_ctx=128)
+    text = render_chat(eng.gguf.get("tokenizer.chat_template"),
+                       [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Write a haiku"}])
+    assert text.startswith("<|im_start|>system\nbe brief<|im_end|>") and text.endswith("<|im_start|>assistant\n")
+    ids = eng.tokenizer.encode(text, add_special=True, parse_special=True)
+    assert ids[0] == eng.tokenizer.token_to_id("<|im_start|>")  # parsed as one special token
+    dumped = np.load(out)
+    assert dumped.shape[0] == len(ids) + 3
+    np.testing.assert_array_equal(dumped[:len(ids)], eng.logits(ids))
 
 
 def test_info(model):
