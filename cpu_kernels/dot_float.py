@@ -13,7 +13,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from strata_nb.cpu_kernels.ir import array_byte_ptr
+from strata_nb.cpu_kernels.ir import array_ptr
 from strata_nb.cpu_kernels.qtypes import BF16, F16, F32
 
 PREFETCH_BYTES = 4096
@@ -99,8 +99,8 @@ def _ir_dequant(typingctx, w, out, n, qt):
     qtype = _qtype_of(qt)
 
     def codegen(context, builder, sig, args):
-        wp = array_byte_ptr(context, builder, sig.args[0], args[0])
-        op = builder.bitcast(array_byte_ptr(context, builder, sig.args[1], args[1]), _F32.as_pointer())
+        wp = array_ptr(context, builder, sig.args[0], args[0])
+        op = array_ptr(context, builder, sig.args[1], args[1], _F32)
 
         def step(b, i, v, lane):
             b.store(v, b.bitcast(b.gep(op, [i]), v.type.as_pointer()), align=4)
@@ -116,8 +116,8 @@ def _ir_dot(typingctx, w, x, n, qt):
     qtype = _qtype_of(qt)
 
     def codegen(context, builder, sig, args):
-        wp = array_byte_ptr(context, builder, sig.args[0], args[0])
-        xp = builder.bitcast(array_byte_ptr(context, builder, sig.args[1], args[1]), _F32.as_pointer())
+        wp = array_ptr(context, builder, sig.args[0], args[0])
+        xp = array_ptr(context, builder, sig.args[1], args[1], _F32)
         zero = ir.Constant(_vec(_F32, CHUNK), None)
         accs = [cgutils.alloca_once_value(builder, zero) for _ in range(UNROLL)]
         acc1 = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 1), None))

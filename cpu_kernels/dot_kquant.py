@@ -25,6 +25,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from strata_nb.cpu_kernels.ir import array_ptr
 from strata_nb.errors import StrataError
 
 QK = 256
@@ -178,11 +179,6 @@ def _unpack_q6_k(k: _Block):
 
 # ---- shared loop builders
 
-def _data_ptr(context, builder, arrty, arr, elem: ir.Type) -> ir.Value:
-    ary = context.make_array(arrty)(context, builder, arr)
-    return builder.bitcast(ary.data, elem.as_pointer())
-
-
 def _fn(b: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Type]):
     return cgutils.get_or_insert_function(b.module, ir.FunctionType(ret, args), name)
 
@@ -285,8 +281,8 @@ def _make_kernels(name: str, bs: int, unpack, vnni: bool):
     def dequant(typingctx, w, out, nb):
         def codegen(context, builder, sig, args):
             b = builder
-            wp = _data_ptr(context, b, sig.args[0], args[0], _I8)
-            op = _data_ptr(context, b, sig.args[1], args[1], _F32)
+            wp = array_ptr(context, b, sig.args[0], args[0], _I8)
+            op = array_ptr(context, b, sig.args[1], args[1], _F32)
             with cgutils.for_range(b, args[2]) as loop:
                 i = loop.index
                 q, off, ws, ms = unpack(_Block(b, b.gep(wp, [b.mul(i, ir.Constant(_I64, bs))])))
@@ -300,8 +296,8 @@ def _make_kernels(name: str, bs: int, unpack, vnni: bool):
     def dot_f32(typingctx, w, x, nb):
         def codegen(context, builder, sig, args):
             b = builder
-            wp = _data_ptr(context, b, sig.args[0], args[0], _I8)
-            xp = _data_ptr(context, b, sig.args[1], args[1], _F32)
+            wp = array_ptr(context, b, sig.args[0], args[0], _I8)
+            xp = array_ptr(context, b, sig.args[1], args[1], _F32)
             accs = _zeros(b, 32, 4)
             with cgutils.for_range(b, args[2]) as loop:
                 i = loop.index
@@ -356,8 +352,8 @@ def _make_kernels(name: str, bs: int, unpack, vnni: bool):
     def dot_q8(typingctx, w, xq, xd, xs, nb):
         def codegen(context, builder, sig, args):
             b = builder
-            wp = _data_ptr(context, b, sig.args[0], args[0], _I8)
-            tok = tuple(_data_ptr(context, b, sig.args[j], args[j], e) for j, e in ((1, _I8), (2, _F32), (3, _F32)))
+            wp = array_ptr(context, b, sig.args[0], args[0], _I8)
+            tok = tuple(array_ptr(context, b, sig.args[j], args[j], e) for j, e in ((1, _I8), (2, _F32), (3, _F32)))
             return q8_rows(b, wp, args[4], [tok])[0]
 
         return types.float32(w, xq, xd, xs, nb), codegen
@@ -366,7 +362,7 @@ def _make_kernels(name: str, bs: int, unpack, vnni: bool):
         """Tokens toks (a tuple of row indices) of the 2-D xq, xd, xs; returns a tuple of their dots."""
         def codegen(context, builder, sig, args):
             b = builder
-            wp = _data_ptr(context, b, sig.args[0], args[0], _I8)
+            wp = array_ptr(context, b, sig.args[0], args[0], _I8)
             ts = [context.cast(b, b.extract_value(args[4], k), ty, types.intp) for k, ty in enumerate(sig.args[4])]
             rows = [_row_ptrs(context, b, sig.args[j], args[j], e, ts) for j, e in ((1, _I8), (2, _F32), (3, _F32))]
             res = q8_rows(b, wp, args[5], list(zip(*rows)))

@@ -23,7 +23,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from strata_nb.cpu_kernels.ir import array_byte_ptr
+from strata_nb.cpu_kernels.ir import array_ptr
 from strata_nb.cpu_kernels.qtypes import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
 PREFETCH_BYTES = 4096
@@ -31,7 +31,7 @@ UNROLL = 4  # blocks per loop iteration, one accumulator each
 
 _I1, _I8, _I16, _I32, _I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
-_PI8, _PF32 = _I8.as_pointer(), _F32.as_pointer()
+_PI8 = _I8.as_pointer()
 
 
 def _vec(t: ir.Type, n: int) -> ir.VectorType:
@@ -247,8 +247,8 @@ def _ir_dequant(typingctx, w, out, nblk, qt):
     decode, bb = _DECODERS[_qtype_of(qt)]
 
     def codegen(context, builder, sig, args):
-        wp = array_byte_ptr(context, builder, sig.args[0], args[0])
-        op = builder.bitcast(array_byte_ptr(context, builder, sig.args[1], args[1]), _PF32)
+        wp = array_ptr(context, builder, sig.args[0], args[0])
+        op = array_ptr(context, builder, sig.args[1], args[1], _F32)
 
         def step(b, i, blk, accs):
             q, d, m = _decode_signed(decode, bb, b, blk)
@@ -267,8 +267,8 @@ def _ir_dot_f32(typingctx, w, x, nblk, qt):
     decode, bb = _DECODERS[_qtype_of(qt)]
 
     def codegen(context, builder, sig, args):
-        wp = array_byte_ptr(context, builder, sig.args[0], args[0])
-        xp = array_byte_ptr(context, builder, sig.args[1], args[1])
+        wp = array_ptr(context, builder, sig.args[0], args[0])
+        xp = array_ptr(context, builder, sig.args[1], args[1])
 
         def step(b, i, blk, accs):
             q, d, m = _decode_signed(decode, bb, b, blk)
@@ -369,10 +369,10 @@ def _ir_dot_q8(typingctx, w, xq, xd, xs, nblk, qt):
     decode, bb = _DECODERS[_qtype_of(qt)]
 
     def codegen(context, builder, sig, args):
-        wp = array_byte_ptr(context, builder, sig.args[0], args[0])
-        qp = array_byte_ptr(context, builder, sig.args[1], args[1])
-        dp = builder.bitcast(array_byte_ptr(context, builder, sig.args[2], args[2]), _PF32)
-        sp = builder.bitcast(array_byte_ptr(context, builder, sig.args[3], args[3]), _PF32)
+        wp = array_ptr(context, builder, sig.args[0], args[0])
+        qp = array_ptr(context, builder, sig.args[1], args[1])
+        dp = array_ptr(context, builder, sig.args[2], args[2], _F32)
+        sp = array_ptr(context, builder, sig.args[3], args[3], _F32)
         return _q8_rows(builder, wp, builder.sext(args[4], _I64), decode, bb, [(qp, dp, sp)])[0]
 
     return types.float32(w, xq, xd, xs, types.int64, qt), codegen
@@ -392,7 +392,7 @@ def _ir_dot_q8_multi(typingctx, w, xq, xd, xs, toks, nblk, qt):
     decode, bb = _DECODERS[_qtype_of(qt)]
 
     def codegen(context, builder, sig, args):
-        wp = array_byte_ptr(context, builder, sig.args[0], args[0])
+        wp = array_ptr(context, builder, sig.args[0], args[0])
         ts = [context.cast(builder, builder.extract_value(args[4], k), ty, types.intp)
               for k, ty in enumerate(sig.args[4])]
         rows = [_row_ptrs(context, builder, sig.args[j], args[j], e, ts) for j, e in ((1, _I8), (2, _F32), (3, _F32))]

@@ -9,30 +9,29 @@ from numba import njit, prange
 from strata_nb.cpu_kernels.actq import quantize_row, quantize_rows
 
 
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _rmsnorm_row(x, w, eps, out):
+    d = x.shape[0]
+    ss = np.float32(0.0)
+    for i in range(d):
+        ss += x[i] * x[i]
+    inv = np.float32(1.0) / np.float32(math.sqrt(ss / d + eps))
+    for i in range(d):
+        out[i] = x[i] * inv * w[i]
+
+
 @njit(cache=True, parallel=True, fastmath=True)
 def rmsnorm(x, w, eps, out):
     """out[t] = x[t] / rms(x[t]) * w over the last axis; x f32[N, D] (rows may be heads)."""
-    n, d = x.shape
-    for t in prange(n):
-        ss = np.float32(0.0)
-        for i in range(d):
-            ss += x[t, i] * x[t, i]
-        inv = np.float32(1.0) / np.float32(math.sqrt(ss / d + eps))
-        for i in range(d):
-            out[t, i] = x[t, i] * inv * w[i]
+    for t in prange(x.shape[0]):
+        _rmsnorm_row(x[t], w, eps, out[t])
 
 
 @njit(cache=True, parallel=True, fastmath=True)
 def rmsnorm_quant(x, w, eps, out, xq, xd, xs):
     """rmsnorm into out, and out quantized to int8 (actq layout) in the same pass: one kernel call, not two."""
-    n, d = x.shape
-    for t in prange(n):
-        ss = np.float32(0.0)
-        for i in range(d):
-            ss += x[t, i] * x[t, i]
-        inv = np.float32(1.0) / np.float32(math.sqrt(ss / d + eps))
-        for i in range(d):
-            out[t, i] = x[t, i] * inv * w[i]
+    for t in prange(x.shape[0]):
+        _rmsnorm_row(x[t], w, eps, out[t])
         quantize_row(out[t], xq[t], xd[t], xs[t])
 
 
