@@ -90,8 +90,8 @@ class TypeCase:
         fast = kernel == "moe_q8"
         t0 = time.perf_counter()
         for g in range(0, self.n_exp, 8):
-            base = np.arange(g, g + 8, dtype=np.int64) * self.exp_bytes
-            moe_matmul(fast, qt, self.buf, base, self.e_rows, self.erb, self.grp, self.tok,
+            ptrs = self.buf.ctypes.data + np.arange(g, g + 8, dtype=np.int64) * self.exp_bytes
+            moe_matmul(fast, qt, ptrs, self.e_rows, self.erb, self.grp[:-1], self.grp[1:], self.tok,
                        self.ex, self.exq, self.exd, self.exs, self.eout)
         return time.perf_counter() - t0, self.n_exp * self.exp_bytes
 

@@ -60,6 +60,36 @@ def _sampling_options(f):
     return f
 
 
+def _memory_options(f):
+    opts = [
+        click.option("--experts", type=click.Choice(["auto", "mmap", "tiered"]), default="auto", show_default=True,
+                     help="Where routed experts are read from. auto: in place from the memory map when they fit "
+                          "the RAM budget, else tiered (hottest resident in RAM, the rest read from the SSD "
+                          "ahead of need); mmap: always in place (the page cache decides)."),
+        click.option("--ram-budget", type=float, default=None, metavar="GB",
+                     help="RAM this run may use (default: available RAM minus a reserve for the system)."),
+        click.option("--vram-budget", type=float, default=None, metavar="GB",
+                     help="VRAM for expert slots (needs the hybrid GPU engine; refused by the CPU engine)."),
+        click.option("--expert-profile", type=click.Path(dir_okay=False), default=None,
+                     help="Routing profile (from --save-profile): fill the resident experts hottest first."),
+        click.option("--lookahead", type=int, default=10, show_default=True,
+                     help="Experts per token predicted for the next layer and read ahead (0: off)."),
+        click.option("--save-profile", type=click.Path(dir_okay=False), default=None,
+                     help="Save the routing profile (loaded counts plus this run's) here at exit."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _memory_kwargs(experts, ram_budget, vram_budget, expert_profile, lookahead) -> dict:
+    if lookahead < 0:
+        raise StrataError(f"--lookahead must be >= 0, got {lookahead}")
+    return {"experts": experts, "ram_budget": None if ram_budget is None else ram_budget * 1e9,
+            "vram_budget": None if vram_budget is None else vram_budget * 1e9, "expert_profile": expert_profile,
+            "lookahead_k": lookahead}
+
+
 def _parse_token_list(s: str) -> list[int]:
     try:
         return [int(t) for t in s.replace(",", " ").split()]
@@ -80,11 +110,13 @@ def _parse_token_list(s: str) -> list[int]:
 @click.option("--pack", default=None, type=click.Path(), help="Expert pack (default: one beside the GGUF, if any).")
 @click.option("--kernels", type=click.Choice(["fast", "reference"]), default="fast", show_default=True,
               help="fast: int8 activations; reference: float32 activations (the accuracy reference).")
+@_memory_options
 @_sampling_options
 @click.option("--dump-logits", type=click.Path(dir_okay=False), default=None,
               help="Save float32 [positions, vocab] logits of every prompt and generated position (.npy).")
 @click.option("--stats", is_flag=True, help="Print timing and bandwidth statistics to stderr.")
 def generate(model, prompt, prompt_file, tokens, chat, system, n_predict, ctx, threads, pack, kernels,
+             experts, ram_budget, vram_budget, expert_profile, lookahead, save_profile,
              temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, dump_logits, stats):
     """Generate text from a prompt."""
     from strata_nb.cli.run import run_generate
@@ -107,7 +139,9 @@ def generate(model, prompt, prompt_file, tokens, chat, system, n_predict, ctx, t
                             repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
     run_generate(model=model, prompt=prompt, token_ids=_parse_token_list(tokens) if tokens is not None else None,
                  chat=chat, system=system, n_predict=n_predict, ctx=ctx, threads=threads, pack=pack,
-                 fast=kernels == "fast", sampler=sampler, dump_logits=dump_logits, stats=stats)
+                 fast=kernels == "fast", sampler=sampler, dump_logits=dump_logits, stats=stats,
+                 memory=_memory_kwargs(experts, ram_budget, vram_budget, expert_profile, lookahead),
+                 save_profile=save_profile)
 
 
 # -------------------------------------------------------------------------------------------------- info
@@ -119,6 +153,21 @@ def info(model, ctx):
     from strata_nb.cli.run import run_info
 
     run_info(model, ctx)
+
+
+# -------------------------------------------------------------------------------------------------- plan
+@main.command()
+@click.option("-m", "--model", required=True, type=click.Path(dir_okay=False))
+@click.option("--ctx", type=int, default=4096, show_default=True, help="Context length (KV cache size).")
+@click.option("--pack", default=None, type=click.Path(), help="Expert pack (default: one beside the GGUF, if any).")
+@click.option("--experts", type=click.Choice(["auto", "mmap", "tiered"]), default="auto", show_default=True)
+@click.option("--ram-budget", type=float, default=None, metavar="GB", help="RAM the run may use (default: automatic).")
+@click.option("--vram-budget", type=float, default=None, metavar="GB", help="VRAM for expert slots (GPU engine).")
+def plan(model, ctx, pack, experts, ram_budget, vram_budget):
+    """Print the memory plan a run would use: what stays in RAM, what is read from the SSD."""
+    from strata_nb.cli.run import run_plan
+
+    run_plan(model, ctx, pack, _memory_kwargs(experts, ram_budget, vram_budget, None, 0))
 
 
 # -------------------------------------------------------------------------------------------------- pack

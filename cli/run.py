@@ -45,16 +45,54 @@ def _save_npy_atomic(path: str, arr: np.ndarray) -> None:
 
 
 def run_generate(*, model, prompt, token_ids, chat, system, n_predict, ctx, threads, pack, fast, sampler,
-                 dump_logits, stats, banner: str | None = None) -> None:
+                 dump_logits, stats, banner: str | None = None, memory: dict | None = None,
+                 save_profile: str | None = None) -> None:
     from strata_nb.api import load
-    from strata_nb.model.chat import render_chat
-    from strata_nb.model.tokenizer import StreamDecoder
 
     sampler.validate()  # bad sampling options fail before the (slow) load
     _compile_notice()
     if ctx <= 0:
         raise StrataError(f"--ctx must be positive, got {ctx}")
-    eng = load(model, pack=pack, n_ctx=ctx, threads=threads, fast=fast)
+    if save_profile is not None and not Path(save_profile).resolve().parent.is_dir():
+        raise StrataError(f"--save-profile: directory does not exist: {Path(save_profile).parent}")
+    fill = _Progress("filling resident experts")
+    eng = load(model, pack=pack, n_ctx=ctx, threads=threads, fast=fast, progress=fill, **(memory or {}))
+    fill.finish()
+    try:
+        _generate(eng, prompt, token_ids, chat, system, n_predict, ctx, sampler, dump_logits, stats, banner, model)
+        if save_profile is not None:
+            eng.save_profile(save_profile)
+            click.echo(f"routing profile saved to {save_profile}", err=True)
+    finally:
+        eng.close()
+
+
+def _echo_plan(plan) -> None:
+    for line in plan.lines():
+        click.echo(f"plan: {line}", err=True)
+
+
+def run_plan(model: str, ctx: int, pack: str | None, memory: dict) -> None:
+    """The plan a run would make (the same function the engine calls), without loading the weights."""
+    from strata_nb.api import open_model, plan_memory
+    from strata_nb.experts.source import open_experts
+
+    if ctx <= 0:
+        raise StrataError(f"--ctx must be positive, got {ctx}")
+    g, s = open_model(model)
+    src = open_experts(g, pack) if s.is_moe else None
+    plan, _ = plan_memory(g, s, src, ctx, experts=memory["experts"], ram_budget=memory["ram_budget"],
+                          vram_budget=memory["vram_budget"])
+    click.echo(f"model {g.path.name}: {_gb(g.size)}, context {ctx}" + (f", experts from {src.path.name}" if src else ""))
+    for line in plan.lines():
+        click.echo(line)
+
+
+def _generate(eng, prompt, token_ids, chat, system, n_predict, ctx, sampler, dump_logits, stats, banner,
+              model) -> None:
+    from strata_nb.model.chat import render_chat
+    from strata_nb.model.tokenizer import StreamDecoder
+
     tok = eng.tokenizer
     if token_ids is None:
         if not prompt:
@@ -76,6 +114,7 @@ def run_generate(*, model, prompt, token_ids, chat, system, n_predict, ctx, thre
         raise StrataError(f"prompt ({len(toks)} tokens) + -n {n_predict} exceed the context (--ctx {ctx})")
     if banner:
         click.echo(banner, err=True)
+    _echo_plan(eng.plan)  # after every input check: a refused run prints one line
     dec = StreamDecoder(tok, lstrip_first=False)  # generated text continues the prompt, as llama.cpp prints it
     stop = set(tok.eog_ids)
 
@@ -121,7 +160,27 @@ def print_stats(eng, res) -> None:
         other = res.decode_s - res.expert_s
         e(f"decode time     expert FFNs {res.expert_s * 1000:8.1f} ms ({100 * res.expert_s / res.decode_s:4.1f}%), "
           f"rest {other * 1000:8.1f} ms ({100 * other / res.decode_s:4.1f}%)", err=True)
+    for label, io, n in (("prompt experts", res.prompt_io, res.prompt_tokens), ("decode experts", res.decode_io,
+                                                                                   res.decode_steps)):
+        if io is not None and n and eng.store is not None and eng.store.tiered:
+            for i, line in enumerate(io_lines(io, n, per="token" if label.startswith("decode") else "prompt")):
+                e(f"{label if i == 0 else '':15s} {line}", err=True)
     e(f"stopped by      {res.stopped_by} after {len(res.tokens)} generated tokens", err=True)
+
+
+def io_lines(io, n: int, per: str) -> list[str]:
+    """Where the experts came from (per decode token, or for the whole prompt) and what the SSD did."""
+    d = n if per == "token" else 1
+    sv = io.served
+    ram = sv["arena"] + sv["recent"]
+    gbs = io.ssd_read_bytes / io.ssd_busy_s / 1e9 if io.ssd_busy_s > 0 else float("nan")
+    return [f"{_gb(ram / d)} from RAM (arena {_gb(sv['arena'] / d)}, recent {_gb(sv['recent'] / d)}), "
+            f"{_gb(sv['ssd'] / d)} from the SSD per {per}",
+            f"SSD read {_gb(io.ssd_read_bytes / d)} per {per} at {gbs:.2f} GB/s while reading; waited "
+            f"{io.read_wait_s * 1000 / d:.1f} ms per {per}",
+            f"lookahead recall {100 * io.recall:.0f}% ({io.lookahead_used} of "
+            f"{io.lookahead_used + io.demand_reads} file-tier experts), wasted {_gb(io.lookahead_wasted_bytes / d)} "
+            f"per {per}; {io.swaps} promotions into RAM"]
 
 
 def run_info(model: str, ctx: int) -> None:

@@ -4,7 +4,9 @@ Parallel over blocks of rows. On the int8 path a task takes its tokens four at a
 each group of four with the multi-token row kernels, which unpack a row once for all four; so a task's rows are
 read from memory once per call and then stay in L1/L2 while every group uses them, and the group's
 activations stay in L1. A last group of one token (decode is the T=1 case) takes the single-token kernel.
-Weights are uint8 rows in their GGUF layout, read in place from a memory map (GGUF or expert pack).
+Weights are uint8 rows in their GGUF layout, read in place from a memory map (GGUF or expert pack) or, for
+experts, from wherever the expert store holds them (addresses, see moe_matmul).
+The drivers release the GIL: the expert store's reader threads issue SSD reads while they run.
 """
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ from numba.extending import intrinsic
 
 from strata_nb.cpu_kernels.qtypes import BF16, F16, F32
 from strata_nb.cpu_kernels.rowdot import dequant_row, dot_f32, dot_q8, dot_q8_multi
-from strata_nb.errors import StrataError
 
 ROWS_PER_TASK = 16
 
@@ -57,21 +58,22 @@ def _noref(typingctx, arr):
 
 
 @intrinsic
-def _mat(typingctx, buf, off, rows, row_bytes):
-    """buf[off:off + rows * row_bytes] of a 1-D contiguous uint8 array as a [rows, row_bytes] matrix view that
-    holds no reference to buf's owner (see _row)."""
-    matty = types.Array(buf.dtype, 2, "C", readonly=not buf.mutable)
+def _mat_at(typingctx, addr, rows, row_bytes):
+    """The rows x row_bytes uint8 matrix at address addr, as a read-only view that owns nothing (see _row).
+
+    Expert matrices live in several buffers at once (the file's memory map, the resident arena, the blobs just
+    read from the SSD), so the MoE driver takes their addresses; the caller keeps those buffers alive."""
+    matty = types.Array(types.uint8, 2, "C", readonly=True)
 
     def codegen(context, builder, sig, args):
-        src = context.make_array(sig.args[0])(context, builder, args[0])
         dst = context.make_array(matty)(context, builder)
-        off, rows, rb = (context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:]))
-        data = cgutils.pointer_add(builder, src.data, builder.mul(off, src.itemsize))
-        context.populate_array(dst, data=data, shape=[rows, rb], strides=[builder.mul(rb, src.itemsize),
-                               src.itemsize], itemsize=src.itemsize, meminfo=None)
+        a, rows, rb = (context.cast(builder, v, t, types.intp) for v, t in zip(args, sig.args))
+        data = builder.inttoptr(a, context.get_data_type(types.uint8).as_pointer())
+        context.populate_array(dst, data=data, shape=[rows, rb], strides=[rb, context.get_constant(types.intp, 1)],
+                               itemsize=context.get_constant(types.intp, 1), meminfo=None)
         return dst._getvalue()
 
-    return matty(buf, off, rows, row_bytes), codegen
+    return matty(addr, rows, row_bytes), codegen
 
 
 # The row work of a task lives in its own (not inlined) function: the dispatch in rowdot is inlined and ends in
@@ -116,19 +118,11 @@ def _task_q8(qtype, w, xq, xd, xs, out, r0, r1, tok_idx, j0, j1):
 
 
 @njit(cache=True, nogil=True)
-def _check_experts(nbuf, base, nrows, row_bytes):
-    """The row kernels read expert rows without bounds checks: every matrix must lie inside the buffer."""
-    for g in range(base.shape[0]):
-        if base[g] < 0 or base[g] + nrows * row_bytes > nbuf:
-            raise StrataError("moe_matmul: an expert matrix lies outside the weight buffer")
-
-
-@njit(cache=True, nogil=True)
 def _task_dequant(qtype, w, rows, out, i):
     dequant_row(qtype, _row(w, rows[i]), _row(out, i))
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def matmul_f32(qtype, w, x, out):
     """out[t, r] = W[r] . x[t] on the float32 reference path. w u8[rows, row_bytes], x f32[T, K]."""
     rows = w.shape[0]
@@ -139,7 +133,7 @@ def matmul_f32(qtype, w, x, out):
         _task_f32(qtype, w, x, out, task * ROWS_PER_TASK, min(rows, (task + 1) * ROWS_PER_TASK), tok_idx, 0, ntok)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def matmul_q8(qtype, w, x, xq, xd, xs, out):
     """Fast path: int8 activations (actq layout); float weight types use x directly."""
     rows = w.shape[0]
@@ -156,32 +150,31 @@ def matmul_q8(qtype, w, x, xq, xd, xs, out):
             _task_q8(qtype, w, xq, xd, xs, out, r0, r1, tok_idx, 0, ntok)
 
 
-@njit(cache=True, parallel=True)
-def moe_matmul(fast, qtype, buf, base, nrows, row_bytes, grp_start, tok_idx, x, xq, xd, xs, out):
-    """Grouped expert matmul for all selected experts of a layer in one parallel region.
+@njit(cache=True, parallel=True, nogil=True)
+def moe_matmul(fast, qtype, ptrs, nrows, row_bytes, ent_lo, ent_hi, tok_idx, x, xq, xd, xs, out):
+    """Grouped expert matmul for a set of experts of a layer in one parallel region.
 
-    buf u8[:]          the memory map holding the experts (whole GGUF file or expert pack)
-    base i64[G]        byte offset in buf of group g's expert matrix (nrows rows of row_bytes)
-    grp_start i64[G+1] group g owns entries grp_start[g]:grp_start[g+1] of tok_idx and rows of out
+    ptrs i64[G]        address of group g's expert matrix (nrows rows of row_bytes), in a buffer the caller keeps
+                       alive and has bounds-checked (experts.store does both)
+    ent_lo, ent_hi     group g owns entries ent_lo[g]:ent_hi[g] of tok_idx and rows of out
     tok_idx i64[N]     which row of x (xq/xd/xs) each entry reads
-    out f32[N, nrows]  one output row per entry
+    out f32[N, nrows]  one output row per entry (rows of entries no group owns are left alone)
     """
-    _check_experts(buf.shape[0], base, nrows, row_bytes)
-    ngrp = base.shape[0]
+    ngrp = ptrs.shape[0]
     nblk = (nrows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     q8 = fast and not (qtype == F32 or qtype == F16 or qtype == BF16)
     for task in prange(ngrp * nblk):
         g = task // nblk
         r0 = (task - g * nblk) * ROWS_PER_TASK
         r1 = min(nrows, r0 + ROWS_PER_TASK)
-        w = _mat(buf, base[g], nrows, row_bytes)
+        w = _mat_at(ptrs[g], nrows, row_bytes)
         if q8:
-            _task_q8(qtype, w, xq, xd, xs, out, r0, r1, tok_idx, grp_start[g], grp_start[g + 1])
+            _task_q8(qtype, w, xq, xd, xs, out, r0, r1, tok_idx, ent_lo[g], ent_hi[g])
         else:
-            _task_f32(qtype, w, x, out, r0, r1, tok_idx, grp_start[g], grp_start[g + 1])
+            _task_f32(qtype, w, x, out, r0, r1, tok_idx, ent_lo[g], ent_hi[g])
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def dequant_rows(qtype, w, rows, out):
     """out[i] = dequant(W[rows[i]]): embedding lookup from a (possibly quantized) table."""
     for i in prange(rows.shape[0]):

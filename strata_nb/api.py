@@ -13,6 +13,7 @@ from strata_nb.errors import StrataError
 from strata_nb.model.gguf_file import GGUFFile
 from strata_nb.model.spec import ModelSpec, check_architecture, spec_from_gguf
 from strata_nb.model.weights import ModelWeights, bind_weights, check_quant_types
+from strata_nb.plan import Machine, MemoryPlan, make_plan
 from strata_nb.runtime.generate import GenerationResult, generate
 from strata_nb.runtime.sampler import Sampler, SamplerConfig
 from strata_nb.runtime.session import Session
@@ -43,6 +44,27 @@ def memory_needs(g: GGUFFile, spec: ModelSpec, n_ctx: int) -> MemoryNeeds:
     return MemoryNeeds(dense, expert, Session.kv_bytes(spec, n_ctx))
 
 
+def recent_slots(spec: ModelSpec) -> int:
+    """Slots receiving SSD reads: a layer's misses plus the next layer's lookahead, a few times over."""
+    return 4 * max(spec.n_expert_used, 4)
+
+
+def plan_memory(g: GGUFFile, spec: ModelSpec, src, n_ctx: int, *, experts: str = "auto",
+                ram_budget: float | None = None, vram_budget: float | None = None,
+                machine: Machine | None = None) -> tuple[MemoryPlan, dict]:
+    """The memory plan for a run, and the expert blob layouts it was sized with (src: an ExpertSource or None)."""
+    from strata_nb.experts.tiered import layer_layout
+
+    needs = memory_needs(g, spec, n_ctx)
+    layouts = {l: layer_layout(src, l) for l in src.layers} if src is not None else {}
+    plan = make_plan(dense=needs.dense_bytes, kv=needs.kv_bytes, experts=needs.expert_bytes,
+                     n_blobs=len(layouts) * spec.n_expert,
+                     slot_bytes=max((lay.slot_bytes for lay in layouts.values()), default=0),
+                     recent_slots=recent_slots(spec), mode=experts, ram_budget=ram_budget, vram_budget=vram_budget,
+                     machine=machine)
+    return plan, layouts
+
+
 def set_threads(threads: int | None) -> int:
     """Use `threads` numba workers (default: all cores numba sees); refuse more than that."""
     import numba
@@ -57,12 +79,25 @@ def set_threads(threads: int | None) -> int:
 
 
 class Engine:
-    """A loaded model on one backend (the CPU engine here), with its tokenizer."""
+    """A loaded model on one backend (the CPU engine here), with its tokenizer and its memory plan.
+
+    experts: "auto" (in place when they fit the RAM budget, else tiered), "mmap" (always in place: the A/B arm)
+    or "tiered" (resident arena + SSD reads, even when everything fits). ram_budget / vram_budget in bytes
+    (None: automatic). expert_profile: a routing profile to fill the arena hottest-first. lookahead_k: experts per
+    token predicted for the next layer and read ahead (0: off).
+    """
 
     def __init__(self, path: str | os.PathLike, *, pack: str | None = None, n_ctx: int = 4096,
-                 threads: int | None = None, fast: bool = True):
+                 threads: int | None = None, fast: bool = True, experts: str = "auto",
+                 ram_budget: float | None = None, vram_budget: float | None = None,
+                 expert_profile: str | os.PathLike | None = None, lookahead_k: int = 10, reader_threads: int = 4,
+                 read_timeout_s: float = 60.0, adapt_every: int = 4, machine: Machine | None = None,
+                 progress: Callable[[int, int], None] | None = None):
         t0 = time.perf_counter()
+        from strata_nb.experts.profile import RoutingProfile
         from strata_nb.experts.source import open_experts
+        from strata_nb.experts.store import MappedStore
+        from strata_nb.experts.tiered import TieredStore
         from strata_nb.model.tokenizer import Tokenizer
         from strata_nb.runtime.cpu_backend import CPUBackend
 
@@ -71,12 +106,38 @@ class Engine:
         self.n_ctx = int(n_ctx)
         if self.n_ctx <= 0:
             raise StrataError(f"--ctx must be positive, got {n_ctx}")
+        if lookahead_k < 0 or reader_threads < 1 or read_timeout_s <= 0:
+            raise StrataError("lookahead must be >= 0, reader threads >= 1 and the read timeout positive")
         self.threads = set_threads(threads)
         self.weights: ModelWeights = bind_weights(self.gguf, self.spec)
-        self.experts = open_experts(self.gguf, pack) if self.spec.is_moe else None
+        src = open_experts(self.gguf, pack) if self.spec.is_moe else None
+        profile = None
+        if src is not None:
+            profile = (RoutingProfile.load(expert_profile, self.spec) if expert_profile is not None
+                       else RoutingProfile.for_spec(self.spec))
+        self.plan, layouts = plan_memory(self.gguf, self.spec, src, self.n_ctx, experts=experts,
+                                         ram_budget=ram_budget, vram_budget=vram_budget, machine=machine)
+        self.store = None
+        if src is not None and self.plan.mode == "tiered":
+            self.store = TieredStore(src, self.spec.n_expert, self.plan.arena, recent_slots(self.spec), profile=profile,
+                                     reader_threads=reader_threads, read_timeout_s=read_timeout_s,
+                                     adapt_every=adapt_every, layouts=layouts, progress=progress)
+            self.store.lookahead_k = lookahead_k
+        elif src is not None:
+            self.store = MappedStore(src, profile)
         self.tokenizer = Tokenizer.from_gguf(self.gguf)
-        self.backend = CPUBackend(self.spec, self.weights, self.experts, fast=fast)
+        self.backend = CPUBackend(self.spec, self.weights, self.store, fast=fast)
         self.load_s = time.perf_counter() - t0
+
+    def save_profile(self, path: str | os.PathLike) -> None:
+        """Write the routing profile (loaded counts plus this run's) for the next run's --expert-profile."""
+        if self.store is None or self.store.profile is None:
+            raise StrataError(f"{self.path.name} has no routed experts: no routing profile to save")
+        self.store.profile.save(path)
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
 
     # -- inputs -------------------------------------------------------------------------------------------
     def check_tokens(self, tokens: Sequence[int], n_new: int = 0) -> list[int]:

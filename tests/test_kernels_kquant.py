@@ -223,7 +223,8 @@ def test_drivers(name, rng):
     tok_idx = np.array([0, 3, 1, 0, 2, 3], np.int64)
     for fast in (False, True):
         out = np.full((6, rows), np.nan, np.float32)
-        moe_matmul(fast, qtype, buf, base, rows, rb, grp_start, tok_idx, x, xq, xd, xs, out)
+        moe_matmul(fast, qtype, buf.ctypes.data + base, rows, rb, grp_start[:-1], grp_start[1:], tok_idx, x, xq, xd,
+                   xs, out)
         for g in range(3):
             for j in range(grp_start[g], grp_start[g + 1]):
                 t = tok_idx[j]

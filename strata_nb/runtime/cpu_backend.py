@@ -1,7 +1,8 @@
 """The forward pass on the CPU: one layer function for every architecture, branching on ModelSpec fields.
 
 Prompts run as batches (matrix-matrix over all prompt tokens), decode as the one-token case of the same code.
-Weights stay in their GGUF quant layout in the memory map; experts come from an ExpertSource (GGUF or pack).
+Weights stay in their GGUF quant layout in the memory map; experts come from an ExpertStore (experts.store):
+in place in the map, or tiered (arena, recently read blobs, SSD reads with lookahead).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 
 from strata_nb.cpu_kernels import actq, ops
 from strata_nb.cpu_kernels.matmul import dequant_rows, matmul_f32, matmul_q8, moe_matmul
-from strata_nb.experts.source import ExpertSource
+from strata_nb.experts.store import ExpertStore
 from strata_nb.model.spec import ModelSpec
 from strata_nb.model.weights import LayerWeights, Linear, ModelWeights
 from strata_nb.runtime.session import Session
@@ -48,7 +49,7 @@ class Activation:
 
 
 class CPUBackend:
-    def __init__(self, spec: ModelSpec, weights: ModelWeights, experts: ExpertSource | None, fast: bool = True):
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, experts: ExpertStore | None, fast: bool = True):
         self.spec = spec
         self.w = weights
         self.experts = experts
@@ -56,6 +57,8 @@ class CPUBackend:
         self.stats = ForwardStats()
         r = spec.rope
         self._corr = r.corr_dims() if r.ext_factor else (0.0, 0.0)
+        moe = [i for i, lw in enumerate(weights.layers) if lw.router is not None]
+        self._next_moe = dict(zip(moe, moe[1:]))
         self._qk_mode = {"none": ops.QK_NORM_NONE, "head": ops.QK_NORM_HEAD, "full": ops.QK_NORM_FULL}[spec.qk_norm]
 
     # -- building blocks ----------------------------------------------------------------------------------
@@ -121,29 +124,38 @@ class CPUBackend:
         t0 = time.perf_counter()
         # Group the (token, slot) pairs by expert: each selected expert's rows are read once for all its tokens.
         experts, grp_start, entry_tok, entry_slot = ops.group_by_expert(ids, s.n_expert)
+        store = self.experts
+        store.routed(layer, experts, np.diff(grp_start))
         n = entry_tok.shape[0]
-        src = self.experts
+        src = store.src
         mg, mu, md = src.matrix(layer, "gate"), src.matrix(layer, "up"), src.matrix(layer, "down")
         xq, xd, xs = a.q() if self.fast else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
-        if (mg.qtype, mg.rows, mg.row_bytes) == (mu.qtype, mu.rows, mu.row_bytes):
-            # gate and up as one grouped call: one parallel region, twice the tasks to balance
-            gu = np.empty((2 * n, mg.rows), np.float32)
-            moe_matmul(self.fast, mg.qtype, src.buf, np.concatenate((mg.offsets[experts], mu.offsets[experts])),
-                       mg.rows, mg.row_bytes, np.concatenate((grp_start, grp_start[1:] + n)),
-                       np.concatenate((entry_tok, entry_tok)), a.x, xq, xd, xs, gu)
-            g, u = gu[:n], gu[n:]
-        else:
-            g = np.empty((n, mg.rows), np.float32)
-            u = np.empty((n, mu.rows), np.float32)
-            moe_matmul(self.fast, mg.qtype, src.buf, mg.offsets[experts], mg.rows, mg.row_bytes, grp_start,
-                       entry_tok, a.x, xq, xd, xs, g)
-            moe_matmul(self.fast, mu.qtype, src.buf, mu.offsets[experts], mu.rows, mu.row_bytes, grp_start,
-                       entry_tok, a.x, xq, xd, xs, u)
-        ha = self.swiglu(g, u)
-        hq, hd, hs = ha.q() if self.fast else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
+        fused = (mg.qtype, mg.rows, mg.row_bytes) == (mu.qtype, mu.rows, mu.row_bytes)
+        gu = np.empty((2 * n, mg.rows), np.float32) if fused else None
+        g, u = (gu[:n], gu[n:]) if fused else (np.empty((n, mg.rows), np.float32), np.empty((n, mu.rows), np.float32))
         y = np.empty((n, md.rows), np.float32)
-        moe_matmul(self.fast, md.qtype, src.buf, md.offsets[experts], md.rows, md.row_bytes, grp_start,
-                   np.arange(n, dtype=np.int64), ha.x, hq, hd, hs, y)
+        down_tok = np.arange(n, dtype=np.int64)
+        # The store hands the experts over in waves as their bytes reach RAM; every entry's rows are computed
+        # the same way whichever wave it is in, and combined once below in a fixed order.
+        for wave in store.waves(layer, experts):
+            lo, hi = grp_start[wave.groups], grp_start[wave.groups + 1]
+            if fused:  # gate and up as one grouped call: one parallel region, twice the tasks to balance
+                moe_matmul(self.fast, mg.qtype, np.concatenate((wave.gate, wave.up)), mg.rows, mg.row_bytes,
+                           np.concatenate((lo, lo + n)), np.concatenate((hi, hi + n)),
+                           np.concatenate((entry_tok, entry_tok)), a.x, xq, xd, xs, gu)
+            else:
+                moe_matmul(self.fast, mg.qtype, wave.gate, mg.rows, mg.row_bytes, lo, hi, entry_tok, a.x, xq, xd,
+                           xs, g)
+                moe_matmul(self.fast, mu.qtype, wave.up, mu.rows, mu.row_bytes, lo, hi, entry_tok, a.x, xq, xd,
+                           xs, u)
+            if len(wave.groups) == len(experts):
+                ha, tok = self.swiglu(g, u), down_tok
+            else:
+                rows = np.concatenate([np.arange(i, j) for i, j in zip(lo, hi)])
+                ha, tok = self.swiglu(g[rows], u[rows]), np.empty(n, np.int64)
+                tok[rows] = np.arange(rows.size)
+            hq, hd, hs = ha.q() if self.fast else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
+            moe_matmul(self.fast, md.qtype, wave.down, md.rows, md.row_bytes, lo, hi, tok, ha.x, hq, hd, hs, y)
         out = np.zeros((t, s.n_embd), np.float32)
         ops.moe_combine(y, wts, entry_tok, entry_slot, out)
         self.stats.expert_s += time.perf_counter() - t0
@@ -155,6 +167,20 @@ class CPUBackend:
                 sh *= 1.0 / (1.0 + np.exp(-(a.x @ lw.shexp_gate_inp)))[:, None]
             out += sh
         return out
+
+    def lookahead(self, layer: int, a: Activation) -> None:
+        """Predict the next MoE layer's experts with its router on this layer's MoE input (the residual stream
+        changes little in one layer) and ask the store to read the missing ones while this layer computes."""
+        k = self.experts.lookahead_k if self.experts is not None else 0
+        nxt = self._next_moe.get(layer)
+        if k <= 0 or nxt is None:
+            return
+        r = self.w.layers[nxt].router
+        logits = np.empty((a.x.shape[0], self.spec.n_expert), np.float32)
+        matmul_f32(r.qtype, r.rows, a.x, logits)
+        k = min(k, self.spec.n_expert)
+        top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+        self.experts.prefetch(nxt, np.unique(top))
 
     # -- the whole model ----------------------------------------------------------------------------------
     def forward(self, session: Session, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:
@@ -173,6 +199,7 @@ class CPUBackend:
             x += self.attention(lw, i, x, session, cos, sin)
             a = self.norm_act(x, lw.ffn_norm)
             if lw.router is not None:
+                self.lookahead(i, a)
                 x += self.moe(lw, i, a)
             else:
                 x += self.ffn(lw.ffn_gate, lw.ffn_up, lw.ffn_down, a)
@@ -180,6 +207,8 @@ class CPUBackend:
             x = x[-1:]
         logits = self.linear(self.w.output, self.norm_act(x, self.w.output_norm))
         session.advance([int(v) for v in tokens])
+        if self.experts is not None:
+            self.experts.end_forward(t)
         self.stats.dense_bytes += self.w.dense_bytes_per_token()
         return logits
 

@@ -7,6 +7,7 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
+from strata_nb.experts.store import ExpertIO
 from strata_nb.runtime.sampler import Sampler
 from strata_nb.runtime.session import Session
 
@@ -27,6 +28,8 @@ class GenerationResult:
     expert_bytes: int = 0  # routed-expert weight bytes read during decode
     dense_bytes: int = 0  # dense weight bytes read during decode
     logits: list[np.ndarray] = field(default_factory=list)  # when dumping: one [rows, vocab] block per forward
+    prompt_io: ExpertIO | None = None  # where the experts came from during the prompt and the decode steps
+    decode_io: ExpertIO | None = None
 
     @property
     def prompt_tps(self) -> float:
@@ -49,6 +52,8 @@ def generate(backend: Backend, session: Session, prompt: Sequence[int], max_new:
     With keep_logits the last generated token is also run, so the kept logits cover every position.
     """
     stats = getattr(backend, "stats", None)
+    store = getattr(backend, "experts", None)
+    io0 = store.io.copy() if store is not None else None
     t0 = time.perf_counter()
     logits = backend.forward(session, np.asarray(prompt, np.int64), all_logits=keep_logits)
     kept = [logits] if keep_logits else []
@@ -60,6 +65,7 @@ def generate(backend: Backend, session: Session, prompt: Sequence[int], max_new:
         tok = sampler.sample(logits[-1], history)
     prompt_s = time.perf_counter() - t0
     e0 = (stats.expert_s, stats.expert_bytes, stats.dense_bytes) if stats else (0.0, 0, 0)
+    io1 = store.io.copy() if store is not None else None
     t1 = time.perf_counter()
     steps = 0
     while max_new > 0:
@@ -89,4 +95,6 @@ def generate(backend: Backend, session: Session, prompt: Sequence[int], max_new:
         res.expert_s = stats.expert_s - e0[0]
         res.expert_bytes = stats.expert_bytes - e0[1]
         res.dense_bytes = stats.dense_bytes - e0[2]
+    if store is not None:
+        res.prompt_io, res.decode_io = io1 - io0, store.io.copy() - io1
     return res

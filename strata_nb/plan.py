@@ -1,0 +1,137 @@
+"""The memory plan: what of a model lives where (RAM, SSD) before the first token, from what the machine has.
+
+Dense weights are read every token: they stay in the page cache (the GGUF's memory map) and are counted in full.
+The KV cache and the runtime (interpreter, compiled kernels, activations) come next. What is left of the budget
+holds experts. When all of them fit, they are read in place from the map (the page cache holds them); when they
+do not, the tiered store keeps the hottest in a resident arena and reads the rest from the SSD as whole blobs
+into a small set of recent slots. A budget that cannot hold the fixed part, or one larger than what the machine
+has, is refused with the numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strata_nb.errors import StrataError
+
+GB = 1e9
+RUNTIME_BYTES = 700 << 20  # interpreter, numba and its compiled kernels, tokenizer, activations (measured ~0.6 GB)
+MIN_RESERVE = 1 << 30  # left to the operating system and other programs when the budget is automatic
+RESERVE_FRACTION = 0.05
+
+
+@dataclass(frozen=True)
+class Machine:
+    total_ram: int
+    available_ram: int
+    swap_free: int
+
+    @classmethod
+    def probe(cls) -> "Machine":
+        import psutil
+
+        vm, sw = psutil.virtual_memory(), psutil.swap_memory()
+        return cls(int(vm.total), int(vm.available), int(sw.free))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    machine: Machine
+    budget: int  # RAM this run may use
+    budget_from: str  # "automatic" or "--ram-budget"
+    reserve: int  # left free for the system (automatic budget)
+    dense: int
+    kv: int
+    runtime: int
+    experts: int  # all routed-expert bytes
+    mode: str  # "dense" (no experts), "mmap" (in place, page cache) or "tiered"
+    arena: int  # tiered: experts resident in RAM
+    recent: int  # tiered: slots receiving SSD reads
+    slot_bytes: int  # tiered: one expert blob
+    n_blobs: int  # experts (layer, expert) in the model
+
+    @property
+    def file_tier(self) -> int:
+        """Expert bytes left on the SSD (tiered) or to the page cache's discretion (mmap beyond the budget)."""
+        if self.mode == "tiered":
+            return self.experts * (self.n_blobs - self.arena // self.slot_bytes) // self.n_blobs
+        if self.mode == "mmap":
+            return max(0, self.experts - max(0, self.budget - self.fixed))
+        return 0
+
+    @property
+    def fixed(self) -> int:
+        return self.dense + self.kv + self.runtime
+
+    @property
+    def used(self) -> int:
+        if self.mode == "tiered":
+            return self.fixed + self.arena + self.recent
+        return self.fixed + min(self.experts, max(0, self.budget - self.fixed))
+
+    def lines(self) -> list[str]:
+        m = self.machine
+        g = lambda n: f"{n / GB:.2f} GB" if n >= GB / 10 else f"{n / 1e6:.1f} MB"  # noqa: E731
+        out = [f"RAM: {g(m.total_ram)} total, {g(m.available_ram)} available, swap {g(m.swap_free)} free; budget "
+               f"{g(self.budget)} ({self.budget_from}" + (f", {g(self.reserve)} left to the system)"
+                                                          if self.budget_from == "automatic" else ")"),
+               f"  dense weights {g(self.dense)} (page cache, read every token), KV cache {g(self.kv)}, "
+               f"runtime ~{g(self.runtime)}"]
+        if self.mode == "dense":
+            out.append("  no routed experts")
+        elif self.mode == "mmap":
+            fits = self.file_tier == 0
+            out.append(f"  experts {g(self.experts)}: in place from the memory map"
+                       + (" (all fit in RAM)" if fits else
+                          f" (A/B arm: {g(self.file_tier)} beyond the budget, the page cache decides)"))
+        else:
+            n = self.arena // self.slot_bytes if self.slot_bytes else 0
+            out.append(f"  experts {g(self.experts)}: {g(self.arena)} resident in RAM ({n} of {self.n_blobs} blobs, "
+                       f"{100 * n / self.n_blobs:.0f}%), "
+                       f"{g(self.file_tier)} read from the SSD into {g(self.recent)} of recent slots")
+        out.append("VRAM: not used (CPU engine)")
+        out.append(f"plan uses {g(self.used)} of the {g(self.budget)} budget")
+        return out
+
+
+def make_plan(*, dense: int, kv: int, experts: int, n_blobs: int, slot_bytes: int, recent_slots: int,
+              mode: str = "auto",
+              ram_budget: float | None = None, vram_budget: float | None = None,
+              machine: Machine | None = None, runtime: int = RUNTIME_BYTES) -> MemoryPlan:
+    """Decide the tiers. ram_budget / vram_budget in bytes (None: automatic). mode: auto, mmap or tiered."""
+    m = machine or Machine.probe()
+    if vram_budget is not None:
+        raise StrataError("--vram-budget: this build runs the CPU engine only (the hybrid GPU engine is not "
+                          "part of it), so there is no VRAM to plan")
+    if mode not in ("auto", "mmap", "tiered"):
+        raise StrataError(f"unknown expert mode {mode!r} (auto, mmap or tiered)")
+    reserve = max(MIN_RESERVE, int(RESERVE_FRACTION * m.total_ram))
+    if ram_budget is not None:
+        budget, source = int(ram_budget), "--ram-budget"
+        if budget <= 0:
+            raise StrataError(f"--ram-budget must be positive, got {ram_budget / GB:g} GB")
+        if budget > m.total_ram:
+            raise StrataError(f"--ram-budget {budget / GB:.2f} GB is more than this machine's RAM "
+                              f"({m.total_ram / GB:.2f} GB)")
+        if budget > m.available_ram:
+            raise StrataError(f"--ram-budget {budget / GB:.2f} GB is more than the RAM available now "
+                              f"({m.available_ram / GB:.2f} GB of {m.total_ram / GB:.2f} GB)")
+    else:
+        budget, source = m.available_ram - reserve, "automatic"
+    fixed = dense + kv + runtime
+    if fixed > budget:
+        raise StrataError(f"the model needs {fixed / GB:.2f} GB before any expert (dense weights {dense / GB:.2f} + "
+                          f"KV cache {kv / GB:.2f} + runtime {runtime / GB:.2f}), the RAM budget is "
+                          f"{budget / GB:.2f} GB" + (" (try a smaller --ctx)" if kv > 0.1 * fixed else ""))
+    if experts == 0:
+        return MemoryPlan(m, budget, source, reserve, dense, kv, runtime, 0, "dense", 0, 0, 0, 0)
+    if mode == "mmap" or (mode == "auto" and fixed + experts <= budget):
+        return MemoryPlan(m, budget, source, reserve, dense, kv, runtime, experts, "mmap", 0, 0, slot_bytes,
+                          n_blobs)
+    recent = recent_slots * slot_bytes
+    room = budget - fixed - recent
+    if room < 0:
+        raise StrataError(f"the RAM budget {budget / GB:.2f} GB leaves no room for the {recent_slots} expert read "
+                          f"slots ({recent / GB:.2f} GB) after {fixed / GB:.2f} GB of dense weights, KV and runtime")
+    arena = min(room // slot_bytes, n_blobs) * slot_bytes
+    return MemoryPlan(m, budget, source, reserve, dense, kv, runtime, experts, "tiered", arena, recent, slot_bytes,
+                      n_blobs)
