@@ -231,14 +231,17 @@ def run_pack(model: str, output: str | None, verify: bool) -> None:
     click.echo(f"wrote {path} ({_gb(Path(path).stat().st_size)})")
 
 
-def run_synth(preset, arch, layers, quant, seed, output) -> None:
+def run_synth(preset, arch, layers, quant, seed, output, router_skew: float = 0.0) -> None:
     from strata_nb.synth import write_synthetic
 
     progress = _Progress("writing tensors")
-    summary = write_synthetic(output, preset, arch=arch, layers=layers, quant=quant, seed=seed, progress=progress)
+    summary = write_synthetic(output, preset, arch=arch, layers=layers, quant=quant, seed=seed, progress=progress,
+                              router_skew=router_skew)
     progress.finish()
     size = Path(output).stat().st_size
-    click.echo(f"wrote {output} ({_gb(size)}): {summary.get('arch', '')} preset {preset}, {quant}, random weights")
+    skew = f", router skew {router_skew:g}" if router_skew else ""
+    click.echo(f"wrote {output} ({_gb(size)}): {summary.get('arch', '')} preset {preset}, {quant}, random weights"
+               f"{skew}")
 
 
 def demo_model_path() -> Path:

@@ -90,7 +90,7 @@ class Engine:
     def __init__(self, path: str | os.PathLike, *, pack: str | None = None, n_ctx: int = 4096,
                  threads: int | None = None, fast: bool = True, experts: str = "auto",
                  ram_budget: float | None = None, vram_budget: float | None = None,
-                 expert_profile: str | os.PathLike | None = None, lookahead_k: int = 10, reader_threads: int = 4,
+                 expert_profile: str | os.PathLike | None = None, lookahead_k: int = 10, reader_threads: int = 8,
                  read_timeout_s: float = 60.0, adapt_every: int = 4, machine: Machine | None = None,
                  progress: Callable[[int, int], None] | None = None):
         t0 = time.perf_counter()

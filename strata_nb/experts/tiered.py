@@ -122,6 +122,7 @@ class TieredStore(ExpertStore):
         self.loc_pool = np.full((n_layer, n_expert), -1, np.int16)
         self.loc_slot = np.full((n_layer, n_expert), -1, np.int32)
         self.cond = threading.Condition()
+        self._pending: dict[tuple[int, int], int] = {}  # (pool, slot) -> extents still being read
         self.error: str | None = None
         self.tick = 0
         self.tokens = 0
@@ -190,22 +191,33 @@ class TieredStore(ExpertStore):
         return p, s
 
     def _issue(self, layer: int, e: int, p: int, s: int, priority: int) -> None:
+        """Queue the reads of expert e of layer into slot s of pool p: one job per extent, so the three matrices
+        of a GGUF expert are read in parallel (the SSD needs requests in flight more than it needs big ones)."""
         pool = self.pools[p]
         pool.key[s] = layer * self.n_expert + e
         pool.state[s] = READING
         pool.last[s] = self.tick
         self.loc_pool[layer, e] = p
         self.loc_slot[layer, e] = s
-        self.reader.submit(priority, self.layouts[layer].extents[e], pool.view(s),
-                           lambda job, err, p=p, s=s: self._landed(p, s, job, err))
+        extents = self.layouts[layer].extents[e]
+        self._pending[(p, s)] = len(extents)
+        view = pool.view(s)
+        pos = 0
+        for ext in extents:
+            self.reader.submit(priority, (ext,), view[pos:pos + ext[1]],
+                               lambda job, err, p=p, s=s: self._landed(p, s, job, err))
+            pos += ext[1]
 
     def _landed(self, p: int, s: int, job, err: str | None) -> None:  # on a reader thread
         with self.cond:
             if err is not None:
                 self.error = self.error or f"expert read failed: {err}"
             else:
-                self.pools[p].state[s] = READY
                 self.io.ssd_read_bytes += job.nbytes
+                self._pending[(p, s)] -= 1
+                if self._pending[(p, s)] == 0:
+                    del self._pending[(p, s)]
+                    self.pools[p].state[s] = READY
             self.cond.notify_all()
 
     def _check(self) -> None:

@@ -89,7 +89,12 @@ PUBLISHED: dict[str, Shape] = {
 DEMO = Shape("qwen3moe", 1024, 8, 16, 4, 64, 2816, n_expert=32, n_expert_used=4, expert_ffn=512, rope_base=1e6,
              context=4096, name="demo-qwen3moe (synthetic)")
 
-PRESETS: tuple[str, ...] = ("tiny", "demo", *PUBLISHED)
+# Tiny width with many experts (the top-8-of-64 routing of OLMoE / Qwen3 MoE): routing statistics such as
+# `synth --router-skew` need more than the tiny presets' 8 experts, at a size that writes and runs in seconds.
+TINY_MOE64 = Shape("qwen3moe", 256, 4, 8, 2, 64, 640, n_expert=64, n_expert_used=8, expert_ffn=128, rope_base=1e6,
+                   context=2048, name="tiny-qwen3moe-64e")
+
+PRESETS: tuple[str, ...] = ("tiny", "demo", *PUBLISHED, "tiny-moe64")
 TINY_ARCHS: tuple[str, ...] = tuple(TINY)
 
 
@@ -102,6 +107,10 @@ def resolve(preset: str, arch: str | None = None, layers: int | None = None) -> 
         shape = TINY[key]
     elif preset == "demo":
         shape = DEMO
+    elif preset == "tiny-moe64":
+        shape = TINY_MOE64
+        if arch is not None and arch != shape.arch:
+            raise StrataError(f"preset {preset!r} has arch {shape.arch!r}; --arch applies to the tiny preset only")
     elif preset in PUBLISHED:
         shape = PUBLISHED[preset]
         if arch is not None and arch not in (shape.arch, preset):

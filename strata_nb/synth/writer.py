@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -12,7 +12,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from strata_nb.errors import StrataError
-from strata_nb.synth import blocks, quantmix, vocab
+from strata_nb.synth import blocks, quantmix, skew as skewmod, vocab
 from strata_nb.synth.presets import Shape, resolve
 
 ALIGNMENT = 32
@@ -22,6 +22,8 @@ CHUNK_BYTES = 16 << 20  # bytes generated and written at a time: bounds memory f
 # that two implementations' rounding does not flip, and greedy decoding wanders instead of sticking to one token.
 HEAD_GAIN = 4.0
 ROUTER_GAIN = 2.0  # router logits spread of ~2: top-k choices are clear but not one-hot
+SKEW_KEY = "strata.synth.router_skew"  # f32 ALPHA, present only in skewed files
+SKEW_DIM_KEY = "strata.synth.router_bias_dim"  # u32: the constant hidden dimension that carries the bias
 
 
 @dataclass(frozen=True)
@@ -188,13 +190,23 @@ def _header(plan: SynthPlan) -> bytes:
 
 def write_synthetic(path: str | os.PathLike, preset: str, *, arch: str | None = None, layers: int | None = None,
                     quant: str = "Q4_K_M", seed: int = 0,
-                    progress: Callable[[int, int], None] | None = None) -> dict:
+                    progress: Callable[[int, int], None] | None = None, router_skew: float = 0.0) -> dict:
     """Write a random but valid GGUF model to `path` and return a summary of it.
 
     The file is streamed tensor by tensor in chunks of CHUNK_BYTES (memory stays small for any model size),
     written to `<path>.partial` and renamed to `path` only when complete. `progress(done, total)` is called
-    with bytes written."""
+    with bytes written.
+
+    `router_skew` ALPHA > 0 skews each MoE layer's routing so expert ranks (a seeded permutation per layer,
+    skew.expert_ranks) are selected with frequency min(1, c (r+1)^-ALPHA) summing to the experts used per token
+    (see strata_nb.synth.skew); the router is calibrated by a short pilot run of the written file. 0 writes
+    exactly the file written without the option."""
     plan = plan_synthetic(preset, arch=arch, layers=layers, quant=quant)
+    router_skew = float(router_skew)
+    skewmod.check_skew(router_skew, plan.shape.n_expert, plan.shape.n_expert_used)
+    if router_skew > 0:
+        plan = replace(plan, metadata=plan.metadata + [(SKEW_KEY, "f32", router_skew),
+                                                       (SKEW_DIM_KEY, "u32", skewmod.BIAS_DIM)])
     path = Path(path)
     if path.is_dir():
         raise StrataError(f"output path is a directory: {path}")
@@ -217,13 +229,18 @@ def write_synthetic(path: str | os.PathLike, preset: str, *, arch: str | None = 
                 step = max(1, CHUNK_BYTES // rb)
                 for r0 in range(0, nrows, step):
                     n = min(step, nrows - r0)
-                    f.write(blocks.random_rows(rng, t.qtype, n, ncols, t.std, t.mean).data)
+                    rows = blocks.random_rows(rng, t.qtype, n, ncols, t.std, t.mean)
+                    if router_skew > 0:  # after the draws: every other byte is the unskewed file's
+                        skewmod.edit_rows(t.name, t.qtype, plan.shape.hidden, r0, rows)
+                    f.write(rows.data)
                     done += n * rb
                     if progress is not None:
                         progress(done, total)
                 pad = _align(t.nbytes) - t.nbytes
                 f.write(b"\0" * pad)
                 done += pad
+        if router_skew > 0:
+            ratios = _calibrate_router(tmp, plan, len(head), seed, router_skew)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -237,5 +254,20 @@ def write_synthetic(path: str | os.PathLike, preset: str, *, arch: str | None = 
         "path": str(path), "preset": preset, "arch": s.arch, "name": s.name, "quant": quant, "seed": seed,
         "bytes": total, "tensors": len(plan.tensors), "types": types, "vocab": plan.vocab_size,
         "layers": s.layers, "hidden": s.hidden, "n_expert": s.n_expert, "n_expert_used": s.n_expert_used,
-        "seconds": seconds, "mb_per_s": total / 1e6 / max(seconds, 1e-9),
+        "seconds": seconds, "mb_per_s": total / 1e6 / max(seconds, 1e-9), "router_skew": router_skew,
+        **({"router_bias_ratio": ratios} if router_skew > 0 else {}),
     }
+
+
+def _calibrate_router(tmp: Path, plan: SynthPlan, data_start: int, seed: int, alpha: float) -> list[float]:
+    """Locate each layer's router in the written file and let skew.calibrate_router fill its bias column."""
+    s = plan.shape
+    offsets, off = {}, data_start
+    for t in plan.tensors:
+        if t.name.endswith("ffn_gate_inp.weight"):
+            if t.qtype != T.F32:
+                raise StrataError(f"router skew needs an F32 router, {t.name} is {t.qtype.name}")
+            offsets[int(t.name.split(".")[1])] = off
+        off += _align(t.nbytes)
+    spec = skewmod.SkewSpec(alpha, seed, s.n_expert, s.n_expert_used)
+    return skewmod.calibrate_router(tmp, spec, offsets, s.hidden)
