@@ -5,7 +5,9 @@ dropped before each one where this user may (root), so every arm starts from the
   strata-auto   strata-nb with its automatic memory plan (tiered: resident arena + O_DIRECT reads + lookahead)
   strata-mmap   strata-nb with experts read in place from the memory map (the A/B arm)
   llama.cpp     llama-cpp-python, mmap, same threads, same prompt tokens
-Greedy decoding, so both engines generate (nearly) the same tokens and route the same way. The disk's own
+Decoding samples at --temp 0.8 with one seeded inverse-CDF sampler for every engine: greedy decoding of a
+random-weight model repeats one token, so every engine would route the same experts at every step and the
+decode would measure nothing of the file tier. The disk's own
 sequential O_DIRECT read bandwidth is measured first. With --profile-run, a first strata-nb run on another prompt
 records a routing profile and the strata arms start from it (--expert-profile).
 
@@ -65,10 +67,27 @@ def drop_caches() -> bool:
 
 
 # ------------------------------------------------------------------------------------------- one arm (child)
+def sample(logits: np.ndarray, temp: float, rng: np.random.Generator) -> int:
+    """Greedy at temp 0, else inverse-CDF sampling of softmax(logits / temp): the same code for both engines."""
+    if temp <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temp
+    p = np.exp(z - z.max())
+    c = np.cumsum(p)
+    return int(min(np.searchsorted(c, rng.random() * c[-1]), len(c) - 1))
+
+
+def _io(io) -> dict:
+    return {"served": io.served, "ssd_read_bytes": io.ssd_read_bytes, "read_wait_s": io.read_wait_s,
+            "ssd_busy_s": io.ssd_busy_s, "lookahead_used": io.lookahead_used, "demand_reads": io.demand_reads,
+            "wasted": io.lookahead_wasted_bytes, "swaps": io.swaps}
+
+
 def child(args) -> dict:
     import resource
 
     prompt = [int(t) for t in np.random.default_rng(args.prompt_seed).integers(10, args.vocab, args.n_prompt)]
+    rng = np.random.default_rng(1000 + args.prompt_seed)
     out: dict = {"arm": args.arm}
     t0 = time.perf_counter()
     if args.arm == "llama.cpp":
@@ -76,49 +95,40 @@ def child(args) -> dict:
 
         r = LlamaCppRunner(args.model, args.threads, args.n_prompt + args.n_gen + 8, args.n_prompt)
         out["load_s"] = time.perf_counter() - t0
-        # the same loop as LlamaCppRunner.run, keeping the tokens
-        r.L.llama_memory_clear(r.L.llama_get_memory(r.ctx), True)
-        t1 = time.perf_counter()
-        tok = int(np.argmax(r._decode(prompt, 0)))
-        out["prompt_s"] = time.perf_counter() - t1
-        toks = [tok]
-        t2 = time.perf_counter()
-        for i in range(args.n_gen - 1):
-            tok = int(np.argmax(r._decode([tok], args.n_prompt + i)))
-            toks.append(tok)
-        out["decode_s"] = time.perf_counter() - t2
-        out["decode_steps"] = args.n_gen - 1
-        out["tokens"] = toks
+        step = lambda toks, pos: r._decode(toks, pos)  # noqa: E731
     else:
         from strata_nb.api import load
-        from strata_nb.runtime.sampler import SamplerConfig
 
-        kw = {"experts": "mmap"} if args.arm == "strata-mmap" else {}
+        kw = {"experts": "mmap"} if args.arm == "strata-mmap" else {"lookahead_k": args.lookahead}
         if args.profile:
             kw["expert_profile"] = args.profile
         eng = load(args.model, n_ctx=args.n_prompt + args.n_gen + 8, threads=args.threads, **kw)
         out["load_s"] = time.perf_counter() - t0
         out["plan"] = eng.plan.lines()
-        prof = eng.store.profile
-        after_prompt = {}
-
-        def on_token(_t: int) -> None:
-            if not after_prompt:
-                after_prompt["counts"] = prof.run_counts.copy()
-
-        res = eng.generate(prompt, args.n_gen, SamplerConfig(temperature=0.0), on_token=on_token)
-        out.update(prompt_s=res.prompt_s, decode_s=res.decode_s, decode_steps=res.decode_steps,
-                   tokens=res.tokens, expert_bytes=res.expert_bytes, dense_bytes=res.dense_bytes)
-        for name, io in (("prompt_io", res.prompt_io), ("decode_io", res.decode_io)):
-            out[name] = {"served": io.served, "ssd_read_bytes": io.ssd_read_bytes, "read_wait_s": io.read_wait_s,
-                         "ssd_busy_s": io.ssd_busy_s, "lookahead_used": io.lookahead_used,
-                         "demand_reads": io.demand_reads, "wasted": io.lookahead_wasted_bytes, "swaps": io.swaps}
-        decode_counts = prof.run_counts - after_prompt["counts"]
-        if eng.store.tiered:
-            st = eng.store
+        session = eng.new_session()
+        st = eng.store
+        step = lambda toks, pos: eng.backend.forward(session, np.asarray(toks, np.int64))[-1]  # noqa: E731
+        io0 = st.io.copy()
+    t1 = time.perf_counter()
+    tok = sample(step(prompt, 0), args.temp, rng)
+    out["prompt_s"] = time.perf_counter() - t1
+    toks = [tok]
+    if args.arm != "llama.cpp":
+        io1, counts1 = st.io.copy(), st.profile.run_counts.copy()
+    t2 = time.perf_counter()
+    for i in range(args.n_gen - 1):
+        tok = sample(step([tok], args.n_prompt + i), args.temp, rng)
+        toks.append(tok)
+    out["decode_s"] = time.perf_counter() - t2
+    out["decode_steps"] = args.n_gen - 1
+    out["tokens"] = toks
+    if args.arm != "llama.cpp":
+        io2 = st.io.copy()
+        out["prompt_io"], out["decode_io"] = _io(io1 - io0), _io(io2 - io1)
+        if st.tiered:
             n = st.arena_slots
             # The best static placement of the same arena: the n (layer, expert) pairs this decode used most.
-            flat = np.sort(decode_counts.reshape(-1))[::-1]
+            flat = np.sort((st.profile.run_counts - counts1).reshape(-1))[::-1]
             out["best_static_hit"] = float(flat[:n].sum() / flat.sum())
             out["arena_slots"] = n
         if args.save_profile:
@@ -133,7 +143,7 @@ def run_arm(args, arm: str, prompt_seed: int, profile: str | None = None, save_p
     dropped = drop_caches()
     cmd = [sys.executable, __file__, "--child", arm, "-m", args.model, "--threads", str(args.threads),
            "--n-prompt", str(args.n_prompt), "--n-gen", str(args.n_gen), "--prompt-seed", str(prompt_seed),
-           "--vocab", str(args.vocab)]
+           "--vocab", str(args.vocab), "--temp", str(args.temp), "--lookahead", str(args.lookahead)]
     if profile:
         cmd += ["--profile", profile]
     if save_profile:
@@ -211,6 +221,9 @@ def main() -> None:
     ap.add_argument("--title", default="low-RAM decode")
     ap.add_argument("--out", default=None)
     ap.add_argument("--vocab", type=int, default=0)
+    ap.add_argument("--lookahead", type=int, default=10, help="strata-nb --lookahead (experts per token)")
+    ap.add_argument("--temp", type=float, default=0.8,
+                    help="sampling temperature, the same seeded sampler for every engine (0: greedy)")
     # child mode
     ap.add_argument("--child", default=None)
     ap.add_argument("--prompt-seed", type=int, default=0)
@@ -243,7 +256,7 @@ def main() -> None:
     head = [f"`{cmd}`", "",
             f"model `{args.model}` ({os.path.getsize(args.model) / 1e9:.1f} GB) on a machine with "
             f"{_ram_gb():.1f} GB RAM, no swap; {args.threads} threads; prompt {args.n_prompt} tokens, {args.n_gen} "
-            f"generated (greedy); {args.reps} repetitions per arm, interleaved, medians; page cache dropped before "
+            f"generated ({'greedy' if args.temp <= 0 else f'sampled at temperature {args.temp}, the same seeded sampler for every engine'}); {args.reps} repetitions per arm, interleaved, medians; page cache dropped before "
             f"every arm: {all(r['cache_dropped'] for rs in results.values() for r in rs)}.",
             f"Disk: {disk:.2f} GB/s sequential O_DIRECT reads (8 readers, 4 MiB, as many as strata-nb uses), measured first.",
             "GB/token RAM/SSD: expert bytes per decode token served from RAM (resident arena + recent reads) and "

@@ -118,6 +118,13 @@ class Engine:
         self.plan, layouts = plan_memory(self.gguf, self.spec, src, self.n_ctx, experts=experts,
                                          ram_budget=ram_budget, vram_budget=vram_budget, machine=machine)
         self.store = None
+        self.locked_bytes = 0
+        if self.plan.mode == "tiered":
+            # RAM is full by design: keep the dense weights (all but the embedding table, of which a token reads
+            # one row) out of the kernel's reach.
+            dense = [t for n, t in self.gguf.tensors.items() if "_exps." not in n
+                     and not (n == "token_embd.weight" and "output.weight" in self.gguf.tensors)]
+            self.locked_bytes = self.gguf.lock(dense)
         if src is not None and self.plan.mode == "tiered":
             self.store = TieredStore(src, self.spec.n_expert, self.plan.arena, recent_slots(self.spec), profile=profile,
                                      reader_threads=reader_threads, read_timeout_s=read_timeout_s,

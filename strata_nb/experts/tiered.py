@@ -173,12 +173,12 @@ class TieredStore(ExpertStore):
         pool.state[s] = EMPTY
         pool.prefetched[s] = False
 
-    def _free_slot(self, layer: int) -> tuple[int, int] | None:
-        """A slot for a new read of one of layer's experts: a never-used arena slot (admission on first use),
-        else the least recently used recent slot that is neither pinned nor being read."""
+    def _free_slot(self, layer: int, admit: bool = True) -> tuple[int, int] | None:
+        """A slot for a new read of one of layer's experts: a never-used arena slot (admission on first use; not
+        for lookahead guesses), else the least recently used recent slot that is neither pinned nor being read."""
         sb = self.layouts[layer].slot_bytes
         a = self.pools[self._arena[sb]]
-        if a.used < a.n:
+        if admit and a.used < a.n:
             a.used += 1
             return self._arena[sb], a.used - 1
         p = self._recent[sb]
@@ -351,7 +351,7 @@ class TieredStore(ExpertStore):
                     return
                 if self.loc_pool[layer, e] >= 0:
                     continue
-                slot = self._free_slot(layer)
+                slot = self._free_slot(layer, admit=False)
                 if slot is None:
                     return
                 p, s = slot

@@ -190,7 +190,7 @@ def calibrate_router(path: str | os.PathLike, spec: SkewSpec, router_offsets: di
     try:
         routers = {i: mm[o:o + spec.n_expert * n_embd * 4].view(np.float32).reshape(spec.n_expert, n_embd)
                    for i, o in router_offsets.items()}
-        eng = Engine(path, n_ctx=max(64, n_pilot))
+        eng = Engine(path, n_ctx=max(64, n_pilot), experts="mmap")  # the file is patched as we go
         original = eng.backend.moe
 
         def moe(lw, layer, a):
