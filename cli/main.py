@@ -72,8 +72,9 @@ def _memory_options(f):
                      help="VRAM for expert slots (needs the hybrid GPU engine; refused by the CPU engine)."),
         click.option("--expert-profile", type=click.Path(dir_okay=False), default=None,
                      help="Routing profile (from --save-profile): fill the resident experts hottest first."),
-        click.option("--lookahead", type=int, default=10, show_default=True,
-                     help="Experts per token predicted for the next layer and read ahead (0: off)."),
+        click.option("--lookahead", type=int, default=None,
+                     help="Experts per token predicted for the next layer and read ahead (0: off; default: the "
+                          "model's top-k + 2)."),
         click.option("--save-profile", type=click.Path(dir_okay=False), default=None,
                      help="Save the routing profile (loaded counts plus this run's) here at exit."),
     ]
@@ -83,7 +84,7 @@ def _memory_options(f):
 
 
 def _memory_kwargs(experts, ram_budget, vram_budget, expert_profile, lookahead) -> dict:
-    if lookahead < 0:
+    if lookahead is not None and lookahead < 0:
         raise StrataError(f"--lookahead must be >= 0, got {lookahead}")
     return {"experts": experts, "ram_budget": None if ram_budget is None else ram_budget * 1e9,
             "vram_budget": None if vram_budget is None else vram_budget * 1e9, "expert_profile": expert_profile,
@@ -167,7 +168,7 @@ def plan(model, ctx, pack, experts, ram_budget, vram_budget):
     """Print the memory plan a run would use: what stays in RAM, what is read from the SSD."""
     from strata_nb.cli.run import run_plan
 
-    run_plan(model, ctx, pack, _memory_kwargs(experts, ram_budget, vram_budget, None, 0))
+    run_plan(model, ctx, pack, _memory_kwargs(experts, ram_budget, vram_budget, None, None))
 
 
 # -------------------------------------------------------------------------------------------------- pack

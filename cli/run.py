@@ -67,8 +67,15 @@ def run_generate(*, model, prompt, token_ids, chat, system, n_predict, ctx, thre
         eng.close()
 
 
-def _echo_plan(plan) -> None:
-    for line in plan.lines():
+def _echo_plan(eng) -> None:
+    lines = eng.plan.lines()
+    st = eng.store
+    if st is not None and st.tiered:
+        how = "O_DIRECT" if st.reader.direct else "buffered (the file system refuses O_DIRECT)"
+        lock = "locked in RAM" if eng.locked_bytes else "not locked (mlock not allowed)"
+        lines.insert(-2, f"  SSD reads: {how}, {st.reader.threads} reader threads, lookahead {st.lookahead_k} "
+                         f"experts/token; dense weights {lock}")
+    for line in lines:
         click.echo(f"plan: {line}", err=True)
 
 
@@ -114,7 +121,7 @@ def _generate(eng, prompt, token_ids, chat, system, n_predict, ctx, sampler, dum
         raise StrataError(f"prompt ({len(toks)} tokens) + -n {n_predict} exceed the context (--ctx {ctx})")
     if banner:
         click.echo(banner, err=True)
-    _echo_plan(eng.plan)  # after every input check: a refused run prints one line
+    _echo_plan(eng)  # after every input check: a refused run prints one line
     dec = StreamDecoder(tok, lstrip_first=False)  # generated text continues the prompt, as llama.cpp prints it
     stop = set(tok.eog_ids)
 

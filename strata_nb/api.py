@@ -84,14 +84,14 @@ class Engine:
     experts: "auto" (in place when they fit the RAM budget, else tiered), "mmap" (always in place: the A/B arm)
     or "tiered" (resident arena + SSD reads, even when everything fits). ram_budget / vram_budget in bytes
     (None: automatic). expert_profile: a routing profile to fill the arena hottest-first. lookahead_k: experts per
-    token predicted for the next layer and read ahead (0: off).
+    token predicted for the next layer and read ahead (0: off; default top-k + 2).
     """
 
     def __init__(self, path: str | os.PathLike, *, pack: str | None = None, n_ctx: int = 4096,
                  threads: int | None = None, fast: bool = True, experts: str = "auto",
                  ram_budget: float | None = None, vram_budget: float | None = None,
-                 expert_profile: str | os.PathLike | None = None, lookahead_k: int = 10, reader_threads: int = 8,
-                 read_timeout_s: float = 60.0, adapt_every: int = 4, machine: Machine | None = None,
+                 expert_profile: str | os.PathLike | None = None, lookahead_k: int | None = None,
+                 reader_threads: int = 8, read_timeout_s: float = 60.0, adapt_every: int = 4, machine: Machine | None = None,
                  progress: Callable[[int, int], None] | None = None):
         t0 = time.perf_counter()
         from strata_nb.experts.profile import RoutingProfile
@@ -106,6 +106,8 @@ class Engine:
         self.n_ctx = int(n_ctx)
         if self.n_ctx <= 0:
             raise StrataError(f"--ctx must be positive, got {n_ctx}")
+        if lookahead_k is None:  # the router's own top-k and two more: most misses, few wasted reads
+            lookahead_k = self.spec.n_expert_used + 2
         if lookahead_k < 0 or reader_threads < 1 or read_timeout_s <= 0:
             raise StrataError("lookahead must be >= 0, reader threads >= 1 and the read timeout positive")
         self.threads = set_threads(threads)
@@ -120,11 +122,9 @@ class Engine:
         self.store = None
         self.locked_bytes = 0
         if self.plan.mode == "tiered":
-            # RAM is full by design: keep the dense weights (all but the embedding table, of which a token reads
-            # one row) out of the kernel's reach.
-            dense = [t for n, t in self.gguf.tensors.items() if "_exps." not in n
-                     and not (n == "token_embd.weight" and "output.weight" in self.gguf.tensors)]
-            self.locked_bytes = self.gguf.lock(dense)
+            # RAM is full by design: keep the dense weights (embedding table included: a page fault on its row
+            # would read ahead megabytes) out of the kernel's reclaim.
+            self.locked_bytes = self.gguf.lock([t for n, t in self.gguf.tensors.items() if "_exps." not in n])
         if src is not None and self.plan.mode == "tiered":
             self.store = TieredStore(src, self.spec.n_expert, self.plan.arena, recent_slots(self.spec), profile=profile,
                                      reader_threads=reader_threads, read_timeout_s=read_timeout_s,

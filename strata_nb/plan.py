@@ -27,10 +27,50 @@ class Machine:
 
     @classmethod
     def probe(cls) -> "Machine":
+        """What this process may use: the machine (psutil), capped by its memory cgroup (containers)."""
         import psutil
 
         vm, sw = psutil.virtual_memory(), psutil.swap_memory()
-        return cls(int(vm.total), int(vm.available), int(sw.free))
+        total, avail = int(vm.total), int(vm.available)
+        cg = _cgroup_memory()
+        if cg is not None:
+            limit, free = cg
+            total, avail = min(total, limit), min(avail, free)
+        return cls(total, avail, int(sw.free))
+
+
+def _cgroup_memory(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> tuple[int, int] | None:
+    """(limit, available) of this process's memory cgroup (v2 or v1), or None when it sets no limit.
+
+    Available is the limit minus what is charged, plus the inactive file cache (reclaimable), as the kernel
+    estimates MemAvailable."""
+    from pathlib import Path
+
+    try:
+        lines = Path(proc).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, ctrls, path = line.split(":", 2)
+        if ctrls == "" and Path(root, path.lstrip("/"), "memory.max").exists():  # v2
+            d = Path(root, path.lstrip("/"))
+            raw = (d / "memory.max").read_text().strip()
+            if raw == "max":
+                return None
+            limit, used = int(raw), int((d / "memory.current").read_text())
+            stat = dict(l.split() for l in (d / "memory.stat").read_text().splitlines())
+            return limit, max(0, limit - used + int(stat.get("inactive_file", 0)))
+        if "memory" in ctrls.split(","):  # v1
+            d = Path(root, "memory", path.lstrip("/"))
+            if not (d / "memory.limit_in_bytes").exists():
+                d = Path(root, "memory")
+            limit = int((d / "memory.limit_in_bytes").read_text())
+            if limit >= 1 << 60:  # "no limit" is a huge page-rounded number
+                return None
+            used = int((d / "memory.usage_in_bytes").read_text())
+            stat = dict(l.split() for l in (d / "memory.stat").read_text().splitlines())
+            return limit, max(0, limit - used + int(stat.get("total_inactive_file", stat.get("inactive_file", 0))))
+    return None
 
 
 @dataclass(frozen=True)

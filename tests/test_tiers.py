@@ -116,6 +116,26 @@ def test_engine_plan_forces_file_tier(model, reference):
     eng.close()
 
 
+def _vm_locked_kb() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmLck:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_tiered_plan_locks_dense_weights(model):
+    """Under a tiered plan the dense weights are mlocked (where allowed) so reclaim cannot take them."""
+    before = _vm_locked_kb()
+    eng = load(model, n_ctx=96, experts="tiered", machine=MACHINE)
+    dense = [t for n, t in eng.gguf.tensors.items() if "_exps." not in n]
+    if eng.locked_bytes == 0:
+        pytest.skip("mlock not allowed for this user (RLIMIT_MEMLOCK)")
+    assert eng.locked_bytes == sum(t.nbytes for t in dense)
+    assert (_vm_locked_kb() - before) * 1024 >= eng.locked_bytes
+    assert load(model, n_ctx=96, experts="mmap", machine=MACHINE).locked_bytes == 0
+    eng.close()
+
+
 # ---------------------------------------------------------------------------------------------- faults
 def test_slow_reads_are_waited_for(model, reference, monkeypatch):
     ref_logits, _ = reference
@@ -279,6 +299,35 @@ def test_automatic_plan_never_exceeds_available_memory(avail):
         assert p.budget - p.used < PLAN["slot_bytes"]  # the arena takes what is left, to one blob
 
 
+@pytest.mark.parametrize("version", ["v1", "v2", "none"])
+def test_plan_sees_the_memory_cgroup(tmp_path, version):
+    """In a container the machine is its memory cgroup: limit, and what is charged minus reclaimable cache."""
+    from strata_nb.plan import _cgroup_memory
+
+    proc = tmp_path / "cgroup"
+    if version == "v1":
+        proc.write_text("4:memory:/box\n0::/\n")
+        d = tmp_path / "memory" / "box"
+        d.mkdir(parents=True)
+        (d / "memory.limit_in_bytes").write_text("12000000000\n")
+        (d / "memory.usage_in_bytes").write_text("5000000000\n")
+        (d / "memory.stat").write_text("cache 3000000000\ntotal_inactive_file 2000000000\n")
+        assert _cgroup_memory(str(tmp_path), str(proc)) == (12_000_000_000, 9_000_000_000)
+    elif version == "v2":
+        proc.write_text("0::/box\n")
+        d = tmp_path / "box"
+        d.mkdir()
+        (d / "memory.max").write_text("8000000000\n")
+        (d / "memory.current").write_text("7000000000\n")
+        (d / "memory.stat").write_text("anon 6000000000\ninactive_file 500000000\n")
+        assert _cgroup_memory(str(tmp_path), str(proc)) == (8_000_000_000, 1_500_000_000)
+    else:
+        proc.write_text("0::/box\n")
+        (tmp_path / "box").mkdir()
+        (tmp_path / "box" / "memory.max").write_text("max\n")
+        assert _cgroup_memory(str(tmp_path), str(proc)) is None
+
+
 # ---------------------------------------------------------------------------------------------- CLI
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "strata_nb.cli.main", *args], capture_output=True, text=True,
@@ -297,7 +346,7 @@ def test_cli_plan_generate_and_profiles(model, tmp_path):
     r = _cli("generate", "-m", model, "--tokens", "5,6,7,8", "-n", "6", "--experts", "tiered", "--stats",
              "--save-profile", str(prof))
     assert r.returncode == 0, r.stderr
-    assert "plan:" in r.stderr and "resident in RAM" in r.stderr
+    assert "plan:" in r.stderr and "resident in RAM" in r.stderr and "SSD reads: O_DIRECT" in r.stderr
     assert "decode experts" in r.stderr and "lookahead recall" in r.stderr
     assert prof.is_file()
     r = _cli("generate", "-m", model, "--tokens", "5,6,7,8", "-n", "2", "--experts", "tiered",

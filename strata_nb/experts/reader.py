@@ -60,6 +60,7 @@ class BlobReader:
         self._busy_since = 0.0
         self.busy_s = 0.0  # wall time during which at least one read was in progress
         self._closed = False
+        self.threads = max(1, threads)
         self._threads = [threading.Thread(target=self._run, name=f"strata-reader-{i}", daemon=True)
                          for i in range(max(1, threads))]
         for t in self._threads:

@@ -94,7 +94,7 @@ class TieredStore(ExpertStore):
     lookahead_k = 0  # set by the engine: experts per token predicted for the next layer (0: no lookahead)
 
     def __init__(self, src: ExpertSource, n_expert: int, arena_bytes: int, recent_slots: int, *,
-                 profile: RoutingProfile | None = None, reader_threads: int = 4, direct: bool = True,
+                 profile: RoutingProfile | None = None, reader_threads: int = 8, direct: bool = True,
                  read_timeout_s: float = 60.0, adapt_every: int = 4, adapt_swaps: int = 32, decay: float = 0.7,
                  layouts: dict[int, LayerLayout] | None = None,
                  progress: Callable[[int, int], None] | None = None):
@@ -141,14 +141,6 @@ class TieredStore(ExpertStore):
     @property
     def arena_slots(self) -> int:
         return sum(self.pools[p].n for p in self._arena.values())
-
-    @property
-    def arena_bytes(self) -> int:
-        return sum(self.pools[p].n * self.pools[p].slot_bytes for p in self._arena.values())
-
-    @property
-    def recent_bytes(self) -> int:
-        return sum(self.pools[p].n * self.pools[p].slot_bytes for p in self._recent.values())
 
     def resident(self) -> np.ndarray:
         """bool[n_layer, n_expert]: experts held (and fully read) in the arena."""
