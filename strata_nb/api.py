@@ -121,11 +121,10 @@ class Engine:
                                          ram_budget=ram_budget, vram_budget=vram_budget, machine=machine)
         self.store = None
         self.locked_bytes = 0
-        if self.plan.mode == "tiered":
+        if src is not None and self.plan.mode == "tiered":
             # RAM is full by design: keep the dense weights (embedding table included: a page fault on its row
             # would read ahead megabytes) out of the kernel's reclaim.
             self.locked_bytes = self.gguf.lock([t for n, t in self.gguf.tensors.items() if "_exps." not in n])
-        if src is not None and self.plan.mode == "tiered":
             self.store = TieredStore(src, self.spec.n_expert, self.plan.arena, recent_slots(self.spec), profile=profile,
                                      reader_threads=reader_threads, read_timeout_s=read_timeout_s,
                                      adapt_every=adapt_every, layouts=layouts, progress=progress)
