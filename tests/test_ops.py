@@ -163,7 +163,9 @@ def test_attention_block_is_the_kernels_in_sequence(mode):
     ref = np.empty_like(out)
     ops.attention(q3, kc2, vc2, pos0, np.float32(0.25), ref)
     np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(kc, kc2)
+    # Not bit-identical: the fused kernel and the separate ones are separate compilations, and a kernel loaded
+    # from numba's cache was seen to differ from a fresh compile by one ulp in the normed, rotated keys.
+    np.testing.assert_allclose(kc, kc2, rtol=1e-6, atol=1e-6)
 
 
 def test_swiglu_quant():
