@@ -16,6 +16,7 @@ records a routing profile and the strata arms start from it (--expert-profile).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -82,12 +83,6 @@ def sample(logits: np.ndarray, temp: float, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(c, rng.random() * c[-1]), len(c) - 1))
 
 
-def _io(io) -> dict:
-    return {"served": io.served, "ssd_read_bytes": io.ssd_read_bytes, "read_wait_s": io.read_wait_s,
-            "ssd_busy_s": io.ssd_busy_s, "lookahead_used": io.lookahead_used, "demand_reads": io.demand_reads,
-            "wasted": io.lookahead_wasted_bytes, "swaps": io.swaps}
-
-
 def child(args) -> dict:
     import resource
 
@@ -129,7 +124,7 @@ def child(args) -> dict:
     out["tokens"] = toks
     if args.arm != "llama.cpp":
         io2 = st.io.copy()
-        out["prompt_io"], out["decode_io"] = _io(io1 - io0), _io(io2 - io1)
+        out["prompt_io"], out["decode_io"] = dataclasses.asdict(io1 - io0), dataclasses.asdict(io2 - io1)
         if st.tiered:
             n = st.arena_slots
             # The best static placement of the same arena: the n (layer, expert) pairs this decode used most.

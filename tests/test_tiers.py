@@ -137,15 +137,20 @@ def test_tiered_plan_locks_dense_weights(model):
 
 
 # ---------------------------------------------------------------------------------------------- faults
-def test_slow_reads_are_waited_for(model, reference, monkeypatch):
-    ref_logits, _ = reference
+def _reads_after(monkeypatch, before) -> None:
+    """Every extent read by the reader threads first calls before() (a delay, a stall)."""
     orig = BlobReader._read_extent
 
-    def slow(self, off, dest, want):
-        time.sleep(0.02)
+    def patched(self, off, dest, want):
+        before()
         return orig(self, off, dest, want)
 
-    monkeypatch.setattr(BlobReader, "_read_extent", slow)
+    monkeypatch.setattr(BlobReader, "_read_extent", patched)
+
+
+def test_slow_reads_are_waited_for(model, reference, monkeypatch):
+    ref_logits, _ = reference
+    _reads_after(monkeypatch, lambda: time.sleep(0.02))
     eng = tiered(model, 0.0, 4, read_timeout_s=5.0)
     np.testing.assert_array_equal(eng.logits(PROMPT), ref_logits)
     assert eng.store.io.read_wait_s > 0
@@ -154,13 +159,7 @@ def test_slow_reads_are_waited_for(model, reference, monkeypatch):
 
 def test_stalled_read_is_an_error_not_a_hang(model, monkeypatch):
     release = threading.Event()
-    orig = BlobReader._read_extent
-
-    def stuck(self, off, dest, want):
-        release.wait(10)
-        return orig(self, off, dest, want)
-
-    monkeypatch.setattr(BlobReader, "_read_extent", stuck)
+    _reads_after(monkeypatch, lambda: release.wait(10))
     eng = tiered(model, 0.0, 4, read_timeout_s=0.3)
     t0 = time.perf_counter()
     with pytest.raises(StrataError, match="made no progress for 0.3 s"):

@@ -11,6 +11,7 @@ served which expert.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple
 
@@ -49,15 +50,13 @@ class ExpertIO:
         return self.lookahead_used / n if n else float("nan")
 
     def copy(self) -> "ExpertIO":
-        return ExpertIO(dict(self.served), self.ssd_read_bytes, self.read_wait_s, self.ssd_busy_s,
-                        self.lookahead_used, self.demand_reads, self.lookahead_wasted_bytes, self.swaps)
+        return dataclasses.replace(self, served=dict(self.served))
 
     def __sub__(self, o: "ExpertIO") -> "ExpertIO":
         """What happened between snapshot o and self."""
-        return ExpertIO({k: v - o.served[k] for k, v in self.served.items()}, self.ssd_read_bytes - o.ssd_read_bytes,
-                        self.read_wait_s - o.read_wait_s, self.ssd_busy_s - o.ssd_busy_s,
-                        self.lookahead_used - o.lookahead_used, self.demand_reads - o.demand_reads,
-                        self.lookahead_wasted_bytes - o.lookahead_wasted_bytes, self.swaps - o.swaps)
+        diff = {f.name: getattr(self, f.name) - getattr(o, f.name) for f in dataclasses.fields(self)
+                if f.name != "served"}
+        return ExpertIO({k: v - o.served[k] for k, v in self.served.items()}, **diff)
 
 
 class ExpertStore:

@@ -119,6 +119,7 @@ class TieredStore(ExpertStore):
             self.pools.append(SlotPool(sb, n_arena, arena=True))
             self._recent[sb] = len(self.pools)
             self.pools.append(SlotPool(sb, max(2, recent_slots), arena=False))
+        self._pool_addr = np.array([pool.addr for pool in self.pools], np.int64)
         self.loc_pool = np.full((n_layer, n_expert), -1, np.int16)
         self.loc_slot = np.full((n_layer, n_expert), -1, np.int32)
         self.cond = threading.Condition()
@@ -241,7 +242,7 @@ class TieredStore(ExpertStore):
         e = experts[g]
         p = self.loc_pool[layer, e]
         s = self.loc_slot[layer, e]
-        base = np.array([self.pools[pi].addr for pi in p], np.int64) + s.astype(np.int64) * lay.slot_bytes
+        base = self._pool_addr[p] + s.astype(np.int64) * lay.slot_bytes
         return Wave(g, base + lay.pos["gate"][e], base + lay.pos["up"][e], base + lay.pos["down"][e])
 
     # -- the store interface ------------------------------------------------------------------------------
