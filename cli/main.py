@@ -68,8 +68,11 @@ def _memory_options(f):
                           "ahead of need); mmap: always in place (the page cache decides)."),
         click.option("--ram-budget", type=float, default=None, metavar="GB",
                      help="RAM this run may use (default: available RAM minus a reserve for the system)."),
+        click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
+                     help="auto: the hybrid GPU engine when numba.cuda finds a GPU, else the CPU engine."),
         click.option("--vram-budget", type=float, default=None, metavar="GB",
-                     help="VRAM for expert slots (needs the hybrid GPU engine; refused by the CPU engine)."),
+                     help="GPU memory this run may use: dense weights, KV cache, activations and expert slots "
+                          "(default: free memory minus a reserve; hybrid engine only)."),
         click.option("--expert-profile", type=click.Path(dir_okay=False), default=None,
                      help="Routing profile (from --save-profile): fill the resident experts hottest first."),
         click.option("--lookahead", type=int, default=None,
@@ -83,10 +86,10 @@ def _memory_options(f):
     return f
 
 
-def _memory_kwargs(experts, ram_budget, vram_budget, expert_profile, lookahead) -> dict:
+def _memory_kwargs(device, experts, ram_budget, vram_budget, expert_profile, lookahead) -> dict:
     if lookahead is not None and lookahead < 0:
         raise StrataError(f"--lookahead must be >= 0, got {lookahead}")
-    return {"experts": experts, "ram_budget": None if ram_budget is None else ram_budget * 1e9,
+    return {"device": device, "experts": experts, "ram_budget": None if ram_budget is None else ram_budget * 1e9,
             "vram_budget": None if vram_budget is None else vram_budget * 1e9, "expert_profile": expert_profile,
             "lookahead_k": lookahead}
 
@@ -117,7 +120,7 @@ def _parse_token_list(s: str) -> list[int]:
               help="Save float32 [positions, vocab] logits of every prompt and generated position (.npy).")
 @click.option("--stats", is_flag=True, help="Print timing and bandwidth statistics to stderr.")
 def generate(model, prompt, prompt_file, tokens, chat, system, n_predict, ctx, threads, pack, kernels,
-             experts, ram_budget, vram_budget, expert_profile, lookahead, save_profile,
+             device, experts, ram_budget, vram_budget, expert_profile, lookahead, save_profile,
              temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, dump_logits, stats):
     """Generate text from a prompt."""
     from strata_nb.cli.run import run_generate
@@ -141,7 +144,7 @@ def generate(model, prompt, prompt_file, tokens, chat, system, n_predict, ctx, t
     run_generate(model=model, prompt=prompt, token_ids=_parse_token_list(tokens) if tokens is not None else None,
                  chat=chat, system=system, n_predict=n_predict, ctx=ctx, threads=threads, pack=pack,
                  fast=kernels == "fast", sampler=sampler, dump_logits=dump_logits, stats=stats,
-                 memory=_memory_kwargs(experts, ram_budget, vram_budget, expert_profile, lookahead),
+                 memory=_memory_kwargs(device, experts, ram_budget, vram_budget, expert_profile, lookahead),
                  save_profile=save_profile)
 
 
@@ -163,12 +166,14 @@ def info(model, ctx):
 @click.option("--pack", default=None, type=click.Path(), help="Expert pack (default: one beside the GGUF, if any).")
 @click.option("--experts", type=click.Choice(["auto", "mmap", "tiered"]), default="auto", show_default=True)
 @click.option("--ram-budget", type=float, default=None, metavar="GB", help="RAM the run may use (default: automatic).")
-@click.option("--vram-budget", type=float, default=None, metavar="GB", help="VRAM for expert slots (GPU engine).")
-def plan(model, ctx, pack, experts, ram_budget, vram_budget):
-    """Print the memory plan a run would use: what stays in RAM, what is read from the SSD."""
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
+@click.option("--vram-budget", type=float, default=None, metavar="GB",
+              help="GPU memory the run may use (default: automatic; hybrid engine only).")
+def plan(model, ctx, pack, experts, ram_budget, device, vram_budget):
+    """Print the memory plan a run would use: RAM, SSD and (hybrid engine) VRAM expert slots."""
     from strata_nb.cli.run import run_plan
 
-    run_plan(model, ctx, pack, _memory_kwargs(experts, ram_budget, vram_budget, None, None))
+    run_plan(model, ctx, pack, _memory_kwargs(device, experts, ram_budget, vram_budget, None, None))
 
 
 # -------------------------------------------------------------------------------------------------- pack

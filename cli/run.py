@@ -73,25 +73,30 @@ def _echo_plan(eng) -> None:
     if st is not None and st.tiered:
         how = "O_DIRECT" if st.reader.direct else "buffered (the file system refuses O_DIRECT)"
         lock = "locked in RAM" if eng.locked_bytes else "not locked (mlock not allowed)"
-        lines.insert(-2, f"  SSD reads: {how}, {st.reader.threads} reader threads, lookahead {st.lookahead_k} "
+        lines.insert(-1, f"  SSD reads: {how}, {st.reader.threads} reader threads, lookahead {st.lookahead_k} "
                          f"experts/token; dense weights {lock}")
-    for line in lines:
+    vram = eng.gpu_plan.lines() if eng.gpu_plan is not None else ["VRAM: not used (CPU engine)"]
+    for line in [eng.device_line, *lines, *vram]:
         click.echo(f"plan: {line}", err=True)
 
 
 def run_plan(model: str, ctx: int, pack: str | None, memory: dict) -> None:
-    """The plan a run would make (the same function the engine calls), without loading the weights."""
-    from strata_nb.api import open_model, plan_memory
+    """The plan a run would make (the same functions the engine calls), without loading the weights."""
+    from strata_nb.api import open_model, pick_device, plan_gpu, plan_memory
     from strata_nb.experts.source import open_experts
 
     if ctx <= 0:
         raise StrataError(f"--ctx must be positive, got {ctx}")
     g, s = open_model(model)
     src = open_experts(g, pack) if s.is_moe else None
-    plan, _ = plan_memory(g, s, src, ctx, experts=memory["experts"], ram_budget=memory["ram_budget"],
-                          vram_budget=memory["vram_budget"])
+    device, line = pick_device(memory["device"])
+    if device == "cpu" and memory["vram_budget"] is not None:
+        raise StrataError("--vram-budget needs the hybrid GPU engine; this run uses the CPU engine")
+    plan, _ = plan_memory(g, s, src, ctx, experts=memory["experts"], ram_budget=memory["ram_budget"])
+    vram = (plan_gpu(g, s, src, ctx, memory["vram_budget"]).lines() if device == "cuda"
+            else ["VRAM: not used (CPU engine)"])
     click.echo(f"model {g.path.name}: {_gb(g.size)}, context {ctx}" + (f", experts from {src.path.name}" if src else ""))
-    for line in plan.lines():
+    for line in [line, *plan.lines(), *vram]:
         click.echo(line)
 
 
@@ -172,7 +177,30 @@ def print_stats(eng, res) -> None:
         if io is not None and n and eng.store is not None and eng.store.tiered:
             for i, line in enumerate(io_lines(io, n, per="token" if label.startswith("decode") else "prompt")):
                 e(f"{label if i == 0 else '':15s} {line}", err=True)
+    if res.hybrid is not None and res.decode_steps:
+        for line in hybrid_lines(eng, res):
+            e(line, err=True)
     e(f"stopped by      {res.stopped_by} after {len(res.tokens)} generated tokens", err=True)
+
+
+def hybrid_lines(eng, res) -> list[str]:
+    """The hybrid engine's decode: where each token's wall time went, who computed the experts, VRAM use."""
+    h, n = res.hybrid, res.decode_steps
+    ms = lambda v: f"{v * 1000 / n:7.2f} ms"  # noqa: E731
+    out = [f"token time      GPU (doorbell waits) {ms(h.wait_s)} + GPU (head, sampler) {ms(h.graph_s)} + "
+           f"CPU pool {ms(h.cpu_s)} + host {ms(h.host_s)} = {ms(h.wall_s)} per token"]
+    tot = h.hits + h.misses
+    if tot:
+        gbs = h.miss_bytes / res.expert_s / 1e9 if res.expert_s > 0 else float("nan")
+        out.append(f"expert hits     {100 * h.hits / tot:5.1f}% of choices, "
+                   f"{100 * h.hit_bytes / max(1, h.hit_bytes + h.miss_bytes):5.1f}% of bytes from VRAM; CPU pool "
+                   f"{_gb(h.miss_bytes / n)} per token at {gbs:.1f} GB/s in its kernels")
+    cs = getattr(eng.backend, "cache", None)
+    if cs is not None:
+        out.append(f"VRAM cache      {cs.stats.admitted} admitted on first use, {cs.stats.swaps} swaps, "
+                   f"{_gb(cs.stats.copied_bytes)} copied")
+    out += eng.backend.vram_lines()
+    return out
 
 
 def io_lines(io, n: int, per: str) -> list[str]:

@@ -168,14 +168,17 @@ def route_softmax_topk(logits, k, renorm, scale, ids, weights):
 def group_by_expert(ids, n_expert):
     """Group the (token, slot) choices of ids i64[T, k] by expert (counting sort, experts ascending).
 
+    A negative id is a choice served elsewhere (the hybrid engine's VRAM hits) and joins no group.
     Returns experts i64[G] (the distinct experts), grp_start i64[G+1] (group g owns entries
-    grp_start[g]:grp_start[g+1]), entry_tok i64[N] and entry_slot i64[N] (N = T*k; tokens ascending in a group).
+    grp_start[g]:grp_start[g+1]), entry_tok i64[N] and entry_slot i64[N] (N = the non-negative choices; tokens
+    ascending in a group).
     """
     ntok, k = ids.shape
     counts = np.zeros(n_expert, np.int64)
     for t in range(ntok):
         for j in range(k):
-            counts[ids[t, j]] += 1
+            if ids[t, j] >= 0:
+                counts[ids[t, j]] += 1
     ngrp = 0
     for e in range(n_expert):
         if counts[e]:
@@ -197,10 +200,13 @@ def group_by_expert(ids, n_expert):
     entry_slot = np.empty(acc, np.int64)
     for t in range(ntok):
         for j in range(k):
-            p = nxt[ids[t, j]]
+            e = ids[t, j]
+            if e < 0:
+                continue
+            p = nxt[e]
             entry_tok[p] = t
             entry_slot[p] = j
-            nxt[ids[t, j]] = p + 1
+            nxt[e] = p + 1
     return experts, grp_start, entry_tok, entry_slot
 
 

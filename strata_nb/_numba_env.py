@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-_KERNEL_DIRS = ("cpu_kernels",)
+_KERNEL_DIRS = ("cpu_kernels", "cuda_kernels")
 
 
 def _kernel_source_hash() -> str:

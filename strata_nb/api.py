@@ -13,7 +13,7 @@ from strata_nb.errors import StrataError
 from strata_nb.model.gguf_file import GGUFFile
 from strata_nb.model.spec import ModelSpec, check_architecture, spec_from_gguf
 from strata_nb.model.weights import ModelWeights, bind_weights, check_quant_types
-from strata_nb.plan import Machine, MemoryPlan, make_plan
+from strata_nb.plan import GPUPlan, Machine, MemoryPlan, make_gpu_plan, make_plan
 from strata_nb.runtime.generate import GenerationResult, generate
 from strata_nb.runtime.sampler import Sampler, SamplerConfig
 from strata_nb.runtime.session import Session
@@ -60,9 +60,59 @@ def plan_memory(g: GGUFFile, spec: ModelSpec, src, n_ctx: int, *, experts: str =
     plan = make_plan(dense=needs.dense_bytes, kv=needs.kv_bytes, experts=needs.expert_bytes,
                      n_blobs=len(layouts) * spec.n_expert,
                      slot_bytes=max((lay.slot_bytes for lay in layouts.values()), default=0),
-                     recent_slots=recent_slots(spec), mode=experts, ram_budget=ram_budget, vram_budget=vram_budget,
-                     machine=machine)
+                     recent_slots=recent_slots(spec), mode=experts, ram_budget=ram_budget, machine=machine)
     return plan, layouts
+
+
+GPU_PROMPT_TOKENS = 256  # tokens per prompt chunk on the GPU (activation buffers are sized for this)
+
+
+def pick_device(device: str) -> tuple[str, str]:
+    """("cuda" or "cpu", a line saying why). auto: CUDA when numba.cuda finds a GPU, else the CPU engine."""
+    if device not in ("auto", "cuda", "cpu"):
+        raise StrataError(f"unknown device {device!r} (auto, cuda or cpu)")
+    if device == "cpu":
+        return "cpu", "device: CPU engine (--device cpu)"
+    from strata_nb.runtime.cuda_rt import SIM, cuda_status
+
+    ok, why = cuda_status()
+    if ok and SIM and device == "auto":  # the simulator runs the hybrid engine only when asked (tests)
+        return "cpu", "device: CPU engine (only numba's CUDA simulator found; --device cuda runs on it)"
+    if ok:
+        return "cuda", f"device: hybrid GPU engine on {why}"
+    if device == "cuda":
+        raise StrataError(f"--device cuda: {why}")
+    return "cpu", f"device: CPU engine ({why})"
+
+
+def gpu_needs(g: GGUFFile, spec: ModelSpec, n_ctx: int) -> tuple[int, int, int]:
+    """(dense weights, float16 KV cache, activation buffers) in bytes of device memory."""
+    from strata_nb.runtime import gpu_backend
+
+    needs = memory_needs(g, spec, n_ctx)
+    return (needs.dense_bytes, gpu_backend.kv_bytes(spec, n_ctx),
+            gpu_backend.scratch_bytes(spec, min(GPU_PROMPT_TOKENS, n_ctx), n_ctx))
+
+
+def gpu_fixed_bytes(path: str | os.PathLike, n_ctx: int) -> int:
+    """VRAM the hybrid engine needs before any expert slot (a --vram-budget below this is refused)."""
+    from strata_nb.plan import GPU_RUNTIME_BYTES
+
+    g, spec = open_model(path)
+    return sum(gpu_needs(g, spec, n_ctx)) + GPU_RUNTIME_BYTES
+
+
+def plan_gpu(g: GGUFFile, spec: ModelSpec, src, n_ctx: int, vram_budget: float | None) -> GPUPlan:
+    """Expert slots per MoE layer from the device's free memory (or vram_budget) after the fixed part."""
+    from strata_nb.experts.vram_cache import slot_layout
+    from strata_nb.runtime.cuda_rt import device_memory
+
+    free, total = device_memory()
+    dense, kv, scratch = gpu_needs(g, spec, n_ctx)
+    slot_bytes = {l: slot_layout(src, l).slot_bytes for l in src.layers} if src is not None else {}
+    return make_gpu_plan(free=free, total=total, dense=dense, kv=kv, scratch=scratch,
+                         experts=memory_needs(g, spec, n_ctx).expert_bytes, slot_bytes=slot_bytes,
+                         n_expert=spec.n_expert, vram_budget=vram_budget)
 
 
 def set_threads(threads: int | None) -> int:
@@ -79,7 +129,11 @@ def set_threads(threads: int | None) -> int:
 
 
 class Engine:
-    """A loaded model on one backend (the CPU engine here), with its tokenizer and its memory plan.
+    """A loaded model on one backend, with its tokenizer and its memory plan.
+
+    device: "auto" (the hybrid GPU engine when numba.cuda finds a GPU, else the CPU engine), "cuda" or "cpu".
+    vram_budget (bytes, hybrid engine): dense weights + KV + activations + expert slots; None: the device's free
+    memory minus a reserve.
 
     experts: "auto" (in place when they fit the RAM budget, else tiered), "mmap" (always in place: the A/B arm)
     or "tiered" (resident arena + SSD reads, even when everything fits). ram_budget / vram_budget in bytes
@@ -87,12 +141,12 @@ class Engine:
     token predicted for the next layer and read ahead (0: off; default top-k + 2).
     """
 
-    def __init__(self, path: str | os.PathLike, *, pack: str | None = None, n_ctx: int = 4096,
+    def __init__(self, path: str | os.PathLike, *, device: str = "auto", pack: str | None = None, n_ctx: int = 4096,
                  threads: int | None = None, fast: bool = True, experts: str = "auto",
                  ram_budget: float | None = None, vram_budget: float | None = None,
                  expert_profile: str | os.PathLike | None = None, lookahead_k: int | None = None,
                  reader_threads: int = 8, read_timeout_s: float = 60.0, adapt_every: int = 4, machine: Machine | None = None,
-                 progress: Callable[[int, int], None] | None = None):
+                 gpu_timeout_s: float = 60.0, progress: Callable[[int, int], None] | None = None):
         t0 = time.perf_counter()
         from strata_nb.experts.profile import RoutingProfile
         from strata_nb.experts.source import open_experts
@@ -117,8 +171,13 @@ class Engine:
         if src is not None:
             profile = (RoutingProfile.load(expert_profile, self.spec) if expert_profile is not None
                        else RoutingProfile.for_spec(self.spec))
+        self.device, self.device_line = pick_device(device)
+        if self.device == "cpu" and vram_budget is not None:
+            raise StrataError("--vram-budget needs the hybrid GPU engine; this run uses the CPU engine")
         self.plan, layouts = plan_memory(self.gguf, self.spec, src, self.n_ctx, experts=experts,
-                                         ram_budget=ram_budget, vram_budget=vram_budget, machine=machine)
+                                         ram_budget=ram_budget, machine=machine)
+        self.gpu_plan = (plan_gpu(self.gguf, self.spec, src, self.n_ctx, vram_budget)
+                         if self.device == "cuda" else None)
         self.store = None
         self.locked_bytes = 0
         if src is not None and self.plan.mode == "tiered":
@@ -132,7 +191,15 @@ class Engine:
         elif src is not None:
             self.store = MappedStore(src, profile)
         self.tokenizer = Tokenizer.from_gguf(self.gguf)
-        self.backend = CPUBackend(self.spec, self.weights, self.store, fast=fast)
+        if self.device == "cuda":
+            from strata_nb.runtime.gpu_backend import GPUBackend
+
+            self.backend = GPUBackend(self.spec, self.weights, self.store, n_ctx=self.n_ctx,
+                                      vram_slots=self.gpu_plan.slots, fast=fast,
+                                      ntok_max=GPU_PROMPT_TOKENS, timeout_s=gpu_timeout_s,
+                                      adapt_every=adapt_every, progress=progress)
+        else:
+            self.backend = CPUBackend(self.spec, self.weights, self.store, fast=fast)
         self.load_s = time.perf_counter() - t0
 
     def save_profile(self, path: str | os.PathLike) -> None:
@@ -142,6 +209,8 @@ class Engine:
         self.store.profile.save(path)
 
     def close(self) -> None:
+        if hasattr(self.backend, "close"):
+            self.backend.close()
         if self.store is not None:
             self.store.close()
 
@@ -158,7 +227,7 @@ class Engine:
         return toks
 
     def new_session(self) -> Session:
-        return Session(self.spec, self.n_ctx)
+        return Session(self.spec, self.n_ctx, host_kv=self.device == "cpu")
 
     # -- running ------------------------------------------------------------------------------------------
     def logits(self, tokens: Sequence[int]) -> np.ndarray:

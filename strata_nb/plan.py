@@ -6,6 +6,10 @@ holds experts. When all of them fit, they are read in place from the map (the pa
 do not, the tiered store keeps the hottest in a resident arena and reads the rest from the SSD as whole blobs
 into a small set of recent slots. A budget that cannot hold the fixed part, or one larger than what the machine
 has, is refused with the numbers.
+
+The GPU plan (hybrid engine) does the same for device memory: dense weights, the float16 KV cache, activation
+buffers and the CUDA runtime first; what is left of the VRAM budget becomes expert slots, the same number in every
+MoE layer (slots per layer, not a global pool: see experts.vram_cache).
 """
 from __future__ import annotations
 
@@ -128,20 +132,16 @@ class MemoryPlan:
             out.append(f"  experts {g(self.experts)}: {g(self.arena)} resident in RAM ({n} of {self.n_blobs} blobs, "
                        f"{100 * n / self.n_blobs:.0f}%), "
                        f"{g(self.file_tier)} read from the SSD into {g(self.recent)} of recent slots")
-        out.append("VRAM: not used (CPU engine)")
         out.append(f"plan uses {g(self.used)} of the {g(self.budget)} budget")
         return out
 
 
 def make_plan(*, dense: int, kv: int, experts: int, n_blobs: int, slot_bytes: int, recent_slots: int,
               mode: str = "auto",
-              ram_budget: float | None = None, vram_budget: float | None = None,
+              ram_budget: float | None = None,
               machine: Machine | None = None, runtime: int = RUNTIME_BYTES) -> MemoryPlan:
-    """Decide the tiers. ram_budget / vram_budget in bytes (None: automatic). mode: auto, mmap or tiered."""
+    """Decide the RAM tiers. ram_budget in bytes (None: automatic). mode: auto, mmap or tiered."""
     m = machine or Machine.probe()
-    if vram_budget is not None:
-        raise StrataError("--vram-budget: this build runs the CPU engine only (the hybrid GPU engine is not "
-                          "part of it), so there is no VRAM to plan")
     if mode not in ("auto", "mmap", "tiered"):
         raise StrataError(f"unknown expert mode {mode!r} (auto, mmap or tiered)")
     reserve = max(MIN_RESERVE, int(RESERVE_FRACTION * m.total_ram))
@@ -175,3 +175,73 @@ def make_plan(*, dense: int, kv: int, experts: int, n_blobs: int, slot_bytes: in
     arena = min(room // slot_bytes, n_blobs) * slot_bytes
     return MemoryPlan(m, budget, source, reserve, dense, kv, runtime, experts, "tiered", arena, recent, slot_bytes,
                       n_blobs)
+
+
+GPU_RUNTIME_BYTES = 600 << 20  # CUDA context, numba's modules and the graphs (not in the free-memory reading)
+
+
+@dataclass(frozen=True)
+class GPUPlan:
+    free: int
+    total: int
+    budget: int
+    budget_from: str
+    dense: int
+    kv: int
+    scratch: int
+    runtime: int
+    experts: int  # all routed-expert bytes
+    slot_bytes: dict[int, int]  # per MoE layer: one expert's slot
+    slots: dict[int, int]  # per MoE layer: expert slots in VRAM
+    n_expert: int
+
+    @property
+    def fixed(self) -> int:
+        return self.dense + self.kv + self.scratch + self.runtime
+
+    @property
+    def slot_total(self) -> int:
+        return sum(self.slot_bytes[l] * n for l, n in self.slots.items())
+
+    @property
+    def share(self) -> float:
+        """Fraction of the (layer, expert) pairs resident in VRAM."""
+        return sum(self.slots.values()) / max(1, self.n_expert * len(self.slots))
+
+    def lines(self) -> list[str]:
+        g = lambda n: f"{n / GB:.2f} GB"  # noqa: E731
+        n = sum(self.slots.values())
+        per = sorted(set(self.slots.values()))
+        return [f"VRAM: {g(self.free)} free of {g(self.total)}; budget {g(self.budget)} "
+                f"({self.budget_from})",
+                f"  dense weights {g(self.dense)}, KV cache {g(self.kv)} (float16), activations {g(self.scratch)}, "
+                f"CUDA runtime ~{g(self.runtime)}",
+                f"  expert slots {g(self.slot_total)}: {n} of {self.n_expert * len(self.slots)} experts "
+                f"({100 * self.share:.0f}%), {'-'.join(str(p) for p in per) if per else 0} per layer; "
+                f"the rest are computed by the CPU pool"]
+
+
+def make_gpu_plan(*, free: int, total: int, dense: int, kv: int, scratch: int, experts: int,
+                  slot_bytes: dict[int, int], n_expert: int, vram_budget: float | None = None,
+                  runtime: int = GPU_RUNTIME_BYTES) -> GPUPlan:
+    """Expert slots per MoE layer from the VRAM budget (bytes; None: free memory minus a reserve)."""
+    reserve = max(MIN_RESERVE // 2, int(RESERVE_FRACTION * total))
+    if vram_budget is not None:
+        budget, source = int(vram_budget), "--vram-budget"
+        if budget <= 0:
+            raise StrataError(f"--vram-budget must be positive, got {vram_budget / GB:g} GB")
+        if budget > free:
+            raise StrataError(f"--vram-budget {budget / GB:.2f} GB is more than the GPU has free "
+                              f"({free / GB:.2f} GB of {total / GB:.2f} GB)")
+    else:
+        budget, source = free - reserve, "automatic"
+    fixed = dense + kv + scratch + runtime
+    if fixed > budget:
+        raise StrataError(f"the GPU needs {fixed / GB:.2f} GB before any expert slot (dense weights "
+                          f"{dense / GB:.2f} + KV cache {kv / GB:.2f} + activations {scratch / GB:.2f} + runtime "
+                          f"{runtime / GB:.2f}), the VRAM budget is {budget / GB:.2f} GB"
+                          + (" (try a smaller --ctx)" if kv > 0.1 * fixed else ""))
+    per_layer = sum(slot_bytes.values())
+    n = min(n_expert, (budget - fixed) // per_layer) if per_layer else 0
+    return GPUPlan(free, total, budget, source, dense, kv, scratch, runtime, experts, dict(slot_bytes),
+                   {l: int(n) for l in slot_bytes}, n_expert)

@@ -5,7 +5,12 @@ import importlib.util
 import os
 from pathlib import Path
 
-import pytest
+# Without a GPU the cuda kernels run in numba's CUDA simulator (tiny shapes only). Numba reads this when it is
+# first imported, so it is set here, before any test module imports it; on a GPU machine the real device is used.
+if not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import pytest  # noqa: E402
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

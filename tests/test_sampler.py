@@ -5,9 +5,10 @@ import math
 
 import numpy as np
 import pytest
+from numba import cuda
 
 from strata_nb.errors import StrataError
-from strata_nb.runtime.sampler import Sampler, SamplerConfig
+from strata_nb.runtime.sampler import Sampler, SamplerConfig, uniform
 
 OFF = dict(top_k=0, top_p=1.0, min_p=0.0)  # every filter disabled
 
@@ -170,6 +171,51 @@ def test_draws_follow_the_distribution() -> None:
     assert chi2 < df + 5 * math.sqrt(2 * df)
 
 
+def test_uniform_is_splitmix64() -> None:
+    # the first outputs of the reference splitmix64 (Vigna) seeded with 0, top 53 bits
+    ref = [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F, 0xF88BB8A8724C81EC]
+    for step, z in enumerate(ref):
+        assert uniform(0, step) == (z >> 11) / 2.0**53
+    # [0, 1) at the extreme seeds, and uniform: mean and a 10-bin histogram over 20000 steps
+    assert all(0.0 <= uniform(s, t) < 1.0 for s in (0, 1, 2**63, 2**64 - 1) for t in (0, 1, 10**12))
+    u = np.array([uniform(2**64 - 1, t) for t in range(20000)])
+    assert abs(u.mean() - 0.5) < 5 * math.sqrt(1 / 12 / u.size)
+    counts = np.bincount((u * 10).astype(int), minlength=10)
+    assert float(((counts - 2000) ** 2 / 2000).sum()) < 9 + 5 * math.sqrt(18)
+
+
+def test_draw_is_the_inverse_cdf_of_uniform_seed_step() -> None:
+    """Token n is ids[searchsorted(cumsum(probs), uniform(seed, n) * total, right)] over distribution()'s order; the
+    step advances on every call, also greedy or single-survivor ones that draw nothing."""
+    n = 300
+    r = np.random.default_rng(21)
+    for case in range(30):
+        c = SamplerConfig(temperature=float(r.choice([0.0, 0.5, 1.0, 1.7])), top_k=int(r.choice([0, 1, 5, 40])),
+                          top_p=float(r.choice([1.0, 0.9, 0.3])), min_p=float(r.choice([0.0, 0.05, 0.5])),
+                          seed=int(r.integers(0, 2**63)) * 2 + case % 2)
+        s = Sampler(c, n)
+        for step in range(3):
+            lg = logits_for(n, 100 * case + step, float(r.choice([0.5, 3.0])))
+            ids, probs = s.distribution(lg)
+            cum = np.cumsum(probs)
+            want = ids[min(int(np.searchsorted(cum, uniform(s.seed, step) * cum[-1], side="right")), len(ids) - 1)]
+            assert s.step == step
+            assert s.sample(lg) == want
+        assert s.step == 3
+
+
+def test_ties_ordered_by_id() -> None:
+    lg = np.array([1.0, 3.0, 2.0, 3.0, 2.0, 3.0, 0.0, -0.0], np.float32)
+    s = Sampler(SamplerConfig(temperature=1.0, **OFF), 8)
+    assert s.distribution(lg)[0].tolist() == [1, 3, 5, 2, 4, 0, 6, 7]  # 0.0 and -0.0 are equal logits
+    c = SamplerConfig(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0)
+    assert Sampler(c, 8).distribution(lg)[0].tolist() == [1, 3]  # the tie at the boundary goes to the lower id
+    big = np.zeros(5000, np.float32)  # the strided-sample path of top-k, all tied
+    big[4000:] = 1.0
+    assert Sampler(c, 5000).distribution(big)[0].tolist() == [4000, 4001]
+    assert Sampler(SamplerConfig(temperature=0.0), 8).sample(lg) == 1
+
+
 def test_seed_reproducibility() -> None:
     n = 1000
     lg = logits_for(n, 9, 1.0)
@@ -216,3 +262,133 @@ def test_masked_tokens_are_never_drawn() -> None:
     lg[::2] = -np.inf
     s = Sampler(SamplerConfig(temperature=1.5, **OFF, seed=0), 500)
     assert all(s.sample(lg, ()) % 2 == 1 for _ in range(500))
+
+
+# -- the device sampler (cuda_kernels/sample.py): the same tokens as the host Sampler ---------------------------------
+# In the simulator (no GPU) a vocabulary of a few hundred; cand_cap 8 or 16 sends most cases down the exact radix path,
+# 1024 down the sorted fast path.
+
+GV = 300
+
+
+@pytest.fixture(scope="module")
+def fast_barriers():
+    import sys
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(2e-4)  # the simulator's barriers poll under the GIL: ~10x cheaper (restored below)
+    yield
+    sys.setswitchinterval(old)
+
+
+def _gpu(c: SamplerConfig, hist, cap: int = 1024, vocab: int = GV):
+    from strata_nb.runtime.gpu_sampler import GPUSampler
+    g = GPUSampler(c, vocab, history_cap=80, cand_cap=cap)
+    g.set_history(hist)
+    return g
+
+
+def _both(host: Sampler, g, lg: np.ndarray, hist: list[int]) -> tuple[int, int]:
+    want = host.sample(lg, hist)
+    g.launch(cuda.to_device(lg), 0)
+    cuda.synchronize()
+    return want, g.result()
+
+
+def test_gpu_uniform_is_the_host_uniform(fast_barriers) -> None:
+    from strata_nb.cuda_kernels import sample as ks
+
+    @cuda.jit
+    def draw(seeds, steps, out):
+        for i in range(cuda.threadIdx.x, out.shape[0], cuda.blockDim.x):
+            out[i] = ks.uniform(seeds[i] & 0xFFFFFFFF, seeds[i] >> 32, steps[i])
+
+    pairs = [(0, 0), (0, 3), (1, 0), (2**63, 7), (2**64 - 1, 2**40 + 5), (0x0123456789ABCDEF, 123456)]
+    pairs += [(int(s), int(t)) for s, t in zip(np.random.default_rng(5).integers(0, 2**63, 10) * 2 + 1,
+                                              np.random.default_rng(6).integers(0, 2**40, 10))]
+    seeds = np.array([s - 2**64 if s >= 2**63 else s for s, _ in pairs], np.int64)  # the bits, as int64
+    out = cuda.device_array(len(pairs), np.float64)
+    draw[1, 32](cuda.to_device(seeds), cuda.to_device(np.array([t for _, t in pairs], np.int64)), out)
+    assert out.copy_to_host().tolist() == [uniform(s, t) for s, t in pairs]
+
+
+def test_gpu_sampler_matches_host(fast_barriers) -> None:
+    r = np.random.default_rng(31)
+    for case in range(24):
+        c = SamplerConfig(temperature=float(r.choice([0.0, 0.6, 1.0, 1.8])), top_k=int(r.choice([0, 1, 7, 40, 500])),
+                          top_p=float(r.choice([1.0, 0.95, 0.5])), min_p=float(r.choice([0.0, 0.05, 0.4, 1.0])),
+                          repeat_penalty=float(r.choice([1.0, 1.3, 0.8])), repeat_last_n=int(r.choice([0, 6, -1])),
+                          seed=int(r.integers(0, 2**63)) * 2 + case % 2)
+        hist = [int(t) for t in r.integers(0, GV, int(r.integers(0, 30)))]
+        host = Sampler(c, GV)
+        g = _gpu(c, hist, cap=int(r.choice([8, 1024])))
+        for step in range(2):
+            lg = (r.standard_normal(GV) * float(r.choice([0.3, 2.0, 6.0]))).astype(np.float32)
+            want, got = _both(host, g, lg, hist)
+            assert got == want, (case, step, c)
+            hist.append(want)
+        assert g.step == host.step == 2
+
+
+def test_gpu_sampler_ties_masks_and_zeros(fast_barriers) -> None:
+    """Logits on a coarse grid (hundreds of exact ties, at every boundary), masked (-inf) tokens and -0.0 / +0.0:
+    the order is logit descending, ties by id ascending, on both."""
+    r = np.random.default_rng(32)
+    for case in range(16):
+        lg = np.round(r.standard_normal(GV) * float(r.choice([1.0, 3.0]))).astype(np.float32) / 2
+        lg[r.random(GV) < 0.2] = -np.inf
+        lg[lg == 0] = np.where(r.random(int((lg == 0).sum())) < 0.5, -0.0, 0.0)
+        c = SamplerConfig(temperature=float(r.choice([0.0, 0.7, 2.0])), top_k=int(r.choice([0, 3, 20])),
+                          top_p=float(r.choice([1.0, 0.8, 0.3])), min_p=float(r.choice([0.0, 0.1])),
+                          seed=int(r.integers(0, 2**63)))
+        host = Sampler(c, GV)
+        g = _gpu(c, [], cap=int(r.choice([8, 1024])))
+        for step in range(2):
+            want, got = _both(host, g, lg, [])
+            assert got == want, (case, step, c)
+
+
+def test_gpu_greedy_and_invalid_logits(fast_barriers) -> None:
+    lg = logits_for(GV, 3)
+    lg[[7, 250]] = lg.max() + 1.0  # a tie for the max: the lower id
+    g = _gpu(SamplerConfig(temperature=0.0), [])
+    g.launch(cuda.to_device(lg), 0)
+    cuda.synchronize()
+    assert g.result() == 7 and g.step == 1
+    assert g.token.copy_to_host()[0] == 7  # the device copy, for the next token's embedding
+    # penalized: 7 in the history drops below 250 (positive logits are divided)
+    pen = _gpu(SamplerConfig(temperature=0.0, repeat_penalty=1.5, repeat_last_n=4), [1, 7, 2])
+    pen.launch(cuda.to_device(lg), 0)
+    cuda.synchronize()
+    assert pen.result() == 250
+    for bad in (np.nan, np.inf):
+        x = lg.copy()
+        x[123] = bad
+        g.launch(cuda.to_device(x), 0)
+        cuda.synchronize()
+        with pytest.raises(StrataError, match="NaN"):
+            g.result()
+        assert g.step == 1  # nothing drawn, nothing advanced
+    g.launch(cuda.to_device(np.full(GV, -np.inf, np.float32)), 0)
+    cuda.synchronize()
+    with pytest.raises(StrataError, match="-inf"):
+        g.result()
+
+
+def test_gpu_history_window_on_device(fast_barriers) -> None:
+    """The ring and counts follow the last repeat_last_n tokens as sampling appends to them (no host upload)."""
+    c = SamplerConfig(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0, repeat_penalty=1.2, repeat_last_n=3, seed=9)
+    hist = [5, 5, 9, 11]
+    host = Sampler(c, GV)
+    g = _gpu(c, hist)
+    lg = logits_for(GV, 4, 0.2)
+    lg[[5, 9, 11, 12, 13]] += 3.0  # a few favourites that the penalty reorders
+    for _ in range(5):
+        want, got = _both(host, g, lg, hist)
+        assert got == want
+        hist.append(want)
+        np.testing.assert_array_equal(g.counts.copy_to_host(), np.bincount(hist[-3:], minlength=GV))
+    with pytest.raises(StrataError, match="history_cap"):
+        from strata_nb.runtime.gpu_sampler import GPUSampler
+        GPUSampler(c, GV, history_cap=3)
+    with pytest.raises(StrataError, match="out of range"):
+        g.set_history([1, GV])

@@ -112,20 +112,30 @@ class CPUBackend:
                             np.float32(1.0 / math.sqrt(s.head_dim)), o)
         return self.linear(lw.wo, Activation(o.reshape(t, s.q_dim)))
 
-    def moe(self, lw: LayerWeights, layer: int, a: Activation) -> np.ndarray:
+    def route(self, lw: LayerWeights, a: Activation) -> tuple[np.ndarray, np.ndarray]:
+        """The router's top-k experts ids i64[T, k] and their weights f32[T, k]."""
         s = self.spec
-        t = a.x.shape[0]
-        logits = np.empty((t, s.n_expert), np.float32)
+        logits = np.empty((a.x.shape[0], s.n_expert), np.float32)
         matmul_f32(lw.router.qtype, lw.router.rows, a.x, logits)  # routing decides: keep it in float32
-        ids = np.empty((t, s.n_expert_used), np.int64)
-        wts = np.empty((t, s.n_expert_used), np.float32)
+        ids = np.empty((a.x.shape[0], s.n_expert_used), np.int64)
+        wts = np.empty((a.x.shape[0], s.n_expert_used), np.float32)
         ops.route_softmax_topk(logits, s.n_expert_used, s.expert_norm, np.float32(s.expert_weights_scale), ids, wts)
+        return ids, wts
 
+    def routed_experts(self, layer: int, a: Activation, ids: np.ndarray, wts: np.ndarray,
+                       out: np.ndarray, record: bool = True) -> None:
+        """out[t] += sum over j of wts[t, j] * expert_{ids[t, j]}(a[t]); choices with a negative id are skipped
+        (the hybrid engine computes those on the GPU). The CPU engine's MoE and the hybrid's CPU expert pool.
+        record: count the routing in the store's profile (the hybrid engine counts all choices itself)."""
+        s = self.spec
         t0 = time.perf_counter()
         # Group the (token, slot) pairs by expert: each selected expert's rows are read once for all its tokens.
         experts, grp_start, entry_tok, entry_slot = ops.group_by_expert(ids, s.n_expert)
+        if len(experts) == 0:
+            return
         store = self.experts
-        store.routed(layer, experts, np.diff(grp_start))
+        if record:
+            store.routed(layer, experts, np.diff(grp_start))
         n = entry_tok.shape[0]
         src = store.src
         mg, mu, md = src.matrix(layer, "gate"), src.matrix(layer, "up"), src.matrix(layer, "down")
@@ -156,10 +166,14 @@ class CPUBackend:
                 tok[rows] = np.arange(rows.size)
             hq, hd, hs = ha.q() if self.fast else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
             moe_matmul(self.fast, md.qtype, wave.down, md.rows, md.row_bytes, lo, hi, tok, ha.x, hq, hd, hs, y)
-        out = np.zeros((t, s.n_embd), np.float32)
         ops.moe_combine(y, wts, entry_tok, entry_slot, out)
         self.stats.expert_s += time.perf_counter() - t0
         self.stats.expert_bytes += len(experts) * (mg.nbytes + mu.nbytes + md.nbytes)
+
+    def moe(self, lw: LayerWeights, layer: int, a: Activation) -> np.ndarray:
+        ids, wts = self.route(lw, a)
+        out = np.zeros((a.x.shape[0], self.spec.n_embd), np.float32)
+        self.routed_experts(layer, a, ids, wts, out)
 
         if lw.shexp_gate is not None:
             sh = self.ffn(lw.shexp_gate, lw.shexp_up, lw.shexp_down, a)
@@ -183,6 +197,10 @@ class CPUBackend:
         self.experts.prefetch(nxt, np.unique(top))
 
     # -- the whole model ----------------------------------------------------------------------------------
+    def sample_next(self, session: Session, tokens, sampler, history) -> int:
+        """Run tokens and draw the next token from the last position's logits."""
+        return sampler.sample(self.forward(session, np.asarray(tokens, np.int64))[-1], history)
+
     def forward(self, session: Session, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Run tokens at the session's position; returns logits f32[T, vocab] (or [1, vocab] for the last)."""
         s = self.spec

@@ -15,6 +15,11 @@ from strata_nb.runtime.session import Session
 class Backend(Protocol):
     def forward(self, session: Session, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray: ...
 
+    def sample_next(self, session: Session, tokens: Sequence[int], sampler: Sampler,
+                    history: Sequence[int]) -> int:
+        """Run tokens and draw the next token (on the host, or on the device where only the id comes back)."""
+        ...
+
 
 @dataclass
 class GenerationResult:
@@ -30,6 +35,7 @@ class GenerationResult:
     logits: list[np.ndarray] = field(default_factory=list)  # when dumping: one [rows, vocab] block per forward
     prompt_io: ExpertIO | None = None  # where the experts came from during the prompt and the decode steps
     decode_io: ExpertIO | None = None
+    hybrid: object | None = None  # the hybrid engine's decode breakdown (runtime.gpu_backend.HybridStats)
 
     @property
     def prompt_tps(self) -> float:
@@ -55,16 +61,24 @@ def generate(backend: Backend, session: Session, prompt: Sequence[int], max_new:
     store = getattr(backend, "experts", None)
     io0 = store.io.copy() if store is not None else None
     t0 = time.perf_counter()
-    logits = backend.forward(session, np.asarray(prompt, np.int64), all_logits=keep_logits)
-    kept = [logits] if keep_logits else []
     history = list(prompt)
+    kept = []
+    tok = -1
+    if keep_logits:  # every position's logits come back, and the host samples
+        logits = backend.forward(session, np.asarray(prompt, np.int64), all_logits=True)
+        kept.append(logits)
+        if max_new > 0:
+            tok = sampler.sample(logits[-1], history)
+    elif max_new > 0:
+        tok = backend.sample_next(session, prompt, sampler, history)
+    else:
+        backend.forward(session, np.asarray(prompt, np.int64))
     out: list[int] = []
     stopped = "length"
-    tok = -1
-    if max_new > 0:
-        tok = sampler.sample(logits[-1], history)
     prompt_s = time.perf_counter() - t0
     e0 = (stats.expert_s, stats.expert_bytes, stats.dense_bytes) if stats else (0.0, 0, 0)
+    hyb = getattr(backend, "hybrid", None)
+    h0 = hyb.copy() if hyb is not None else None
     io1 = store.io.copy() if store is not None else None
     t1 = time.perf_counter()
     steps = 0
@@ -81,13 +95,15 @@ def generate(backend: Backend, session: Session, prompt: Sequence[int], max_new:
         if session.pos >= session.n_ctx:
             stopped = "context"
             break
-        logits = backend.forward(session, np.asarray([tok], np.int64))
         steps += 1
         if keep_logits:
+            logits = backend.forward(session, np.asarray([tok], np.int64))
             kept.append(logits)
             if len(out) >= max_new:
                 break
-        tok = sampler.sample(logits[-1], history)
+            tok = sampler.sample(logits[-1], history)
+        else:
+            tok = backend.sample_next(session, [tok], sampler, history)
     decode_s = time.perf_counter() - t1
     res = GenerationResult(tokens=out, stopped_by=stopped, prompt_tokens=len(prompt), prompt_s=prompt_s,
                            decode_s=decode_s, decode_steps=steps, logits=kept)
@@ -97,4 +113,6 @@ def generate(backend: Backend, session: Session, prompt: Sequence[int], max_new:
         res.dense_bytes = stats.dense_bytes - e0[2]
     if store is not None:
         res.prompt_io, res.decode_io = io1 - io0, store.io.copy() - io1
+    if hyb is not None:
+        res.hybrid = hyb.copy() - h0
     return res

@@ -2,7 +2,12 @@
 
 Chain: repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw. top-p and min-p see the
 probabilities at temperature 1 (as in llama.cpp, where temperature comes after the filters); each filter keeps at
-least one token. Temperature <= 0 is greedy: the argmax of the penalized logits.
+least one token. Temperature <= 0 is greedy: the argmax of the penalized logits (the lowest id among equal ones).
+
+The candidates are ordered by logit descending, equal logits by id ascending, and the draw inverts the cumulative
+distribution over that order with the uniform `uniform(seed, step)`: a counter-based generator (splitmix64), so the
+device sampler (cuda_kernels/sample.py), which implements the same generator and order, picks the same token for the
+same logits, seed and step. The step counts sample() calls (draw or not), so token n always uses uniform(seed, n).
 
 Cost for a 150k vocabulary is a few passes over the logits: top-k finds a threshold from a strided sample and
 then compares once, instead of argpartitioning the whole vector; nothing sorts more than the kept candidates.
@@ -20,6 +25,21 @@ from strata_nb.errors import StrataError
 
 _SAMPLE_STEP = 16  # top-k threshold sample: every 16th logit
 _TOPP_FIRST = 256  # top-p without top-k: candidates tried first (grown x8 until the mass reaches top_p)
+
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def uniform(seed: int, step: int) -> float:
+    """The draw of sample number `step` (0-based) for `seed`: output `step` of the splitmix64 stream started at
+    seed, its top 53 bits as a float64 in [0, 1). Counter-based: any step is computed directly."""
+    z = (seed + (step + 1) * _GOLDEN) & _M64
+    z = ((z ^ (z >> 30)) * _MIX1) & _M64
+    z = ((z ^ (z >> 27)) * _MIX2) & _M64
+    z ^= z >> 31
+    return (z >> 11) * (1.0 / (1 << 53))
 
 
 @dataclass
@@ -53,7 +73,7 @@ class SamplerConfig:
 
 
 class Sampler:
-    """Picks the next token from one row of logits; owns the random generator (seeded once)."""
+    """Picks the next token from one row of logits; owns the seed and the step counter of the draws."""
 
     def __init__(self, config: SamplerConfig, vocab_size: int):
         config.validate()
@@ -63,23 +83,28 @@ class Sampler:
         self.vocab_size = int(vocab_size)
         # the seed actually used, so that a run without --seed can be reported and repeated
         self.seed = int(config.seed) if config.seed is not None else int.from_bytes(os.urandom(8), "little")
-        self._rng = np.random.default_rng(self.seed)
+        self.step = 0  # sample() calls so far: the counter of uniform(seed, step)
 
     @property
     def greedy(self) -> bool:
         return self.config.temperature <= 0
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        """The next token id; history is the sequence so far (prompt and generated), oldest first."""
+        """The next token id; history is the sequence so far (prompt and generated), oldest first.
+
+        Every call advances the step by one, also when nothing is drawn (greedy, or a single survivor)."""
         ids, probs = self.distribution(logits, history)
+        step = self.step
+        self.step += 1
         if ids.shape[0] == 1:
             return int(ids[0])  # greedy, or a single survivor: no draw, as in llama.cpp's dist sampler
         cum = np.cumsum(probs)
-        j = int(np.searchsorted(cum, self._rng.random() * cum[-1], side="right"))
+        j = int(np.searchsorted(cum, uniform(self.seed, step) * cum[-1], side="right"))
         return int(ids[min(j, ids.shape[0] - 1)])
 
     def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
-        """(token ids, probabilities) that sample() draws from: the kept candidates after the whole chain."""
+        """(token ids, probabilities) that sample() draws from: the kept candidates after the whole chain, ordered
+        by penalized logit descending and equal logits by id ascending (the order the draw inverts)."""
         c = self.config
         lg = self._penalized(logits, history)
         mx = float(lg.max())  # NaN-propagating: one pass that also rejects broken logits
@@ -96,12 +121,12 @@ class Sampler:
         if c.min_p > 0.0:
             thr = np.float32(mx + math.log(c.min_p)) if c.min_p < 1.0 else np.float32(mx)
             if ids is None:
-                ids = np.flatnonzero(lg >= thr)
+                ids = _sort_desc(lg, np.flatnonzero(lg >= thr))
             else:
                 ids = ids[lg[ids] >= thr]
-        x = (lg if ids is None else lg[ids]).astype(np.float64)
-        if ids is None:
-            ids = np.arange(n, dtype=np.int64)
+        if ids is None:  # no filter at all: the whole vocabulary, in the draw's order
+            ids = np.argsort(-lg, kind="stable")
+        x = lg[ids].astype(np.float64)
         p = np.exp((x - mx) / c.temperature)
         return ids.astype(np.int64, copy=False), p / p.sum()
 
@@ -122,8 +147,13 @@ class Sampler:
         return lg
 
 
+def _sort_desc(lg: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """ids (ascending) ordered by logit descending, equal logits by id ascending (a stable sort keeps id order)."""
+    return ids[np.argsort(-lg[ids], kind="stable")]
+
+
 def _top_k_sorted(lg: np.ndarray, k: int) -> np.ndarray:
-    """Ids of the k largest logits, largest first (exact; ties at the boundary broken arbitrarily)."""
+    """Ids of the k largest logits, largest first, equal logits by id ascending (exact, ties included)."""
     n = lg.shape[0]
     cand = None
     if n >= 64 * _SAMPLE_STEP and k * 8 < n // _SAMPLE_STEP:
@@ -135,11 +165,9 @@ def _top_k_sorted(lg: np.ndarray, k: int) -> np.ndarray:
         cand = np.flatnonzero(lg >= thr)
         if cand.shape[0] < k:  # an unlucky sample: fall back to the full selection
             cand = None
-    if cand is None:
-        top = np.argpartition(lg, n - k)[n - k:]
-    else:
-        top = cand[np.argpartition(lg[cand], cand.shape[0] - k)[cand.shape[0] - k:]]
-    return top[np.argsort(-lg[top], kind="stable")]
+    if cand is None:  # every logit >= the k-th largest: the top k and all its ties
+        cand = np.flatnonzero(lg >= np.partition(lg, n - k)[n - k])
+    return _sort_desc(lg, cand)[:k]
 
 
 def _top_p(lg: np.ndarray, ids: np.ndarray | None, p: float, mx: float) -> np.ndarray:
@@ -150,7 +178,7 @@ def _top_p(lg: np.ndarray, ids: np.ndarray | None, p: float, mx: float) -> np.nd
         return ids[:min(int(np.searchsorted(cum, p * cum[-1], side="left")) + 1, ids.shape[0])]
     # No top-k before: normalize over the whole vocabulary, but sort only a growing head of it.
     n = lg.shape[0]
-    z = float(np.exp(lg - np.float32(mx)).sum(dtype=np.float64))
+    z = float(np.exp(lg.astype(np.float64) - mx).sum())
     m = _TOPP_FIRST
     while True:
         head = _top_k_sorted(lg, m) if m < n else np.argsort(-lg, kind="stable")

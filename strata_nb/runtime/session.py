@@ -10,13 +10,15 @@ from strata_nb.model.spec import ModelSpec
 class Session:
     """Owns all per-sequence state so it can be rewound (speculation and prompt caching need that later)."""
 
-    def __init__(self, spec: ModelSpec, n_ctx: int):
+    def __init__(self, spec: ModelSpec, n_ctx: int, host_kv: bool = True):
+        """host_kv: keep the KV cache here (the CPU engine); the GPU engine keeps its own in device memory."""
         if n_ctx <= 0:
             raise StrataError(f"context length must be positive, got {n_ctx}")
         self.n_ctx = n_ctx
         shape = (spec.n_head_kv, n_ctx, spec.head_dim)
-        self.k = [np.zeros(shape, np.float32) for _ in range(spec.n_layer)]
-        self.v = [np.zeros(shape, np.float32) for _ in range(spec.n_layer)]
+        n = spec.n_layer if host_kv else 0
+        self.k = [np.zeros(shape, np.float32) for _ in range(n)]
+        self.v = [np.zeros(shape, np.float32) for _ in range(n)]
         self.pos = 0
         self.tokens: list[int] = []
 

@@ -1,0 +1,405 @@
+"""Causal GQA attention over the float16 KV cache: decode (one query token, split over the context) and prompt.
+
+Layout: q, out f32[T, H*hd]; kc, vc f16[Hkv, ctx, hd]; query head h reads kv head h // (H / Hkv) (llama.cpp and HF
+order). A block owns one kv head and up to 32 of its query heads (the group, padded to a power of two gp), so every
+K/V row is read once for the whole group. Inside a block each warp takes nk keys per step (their K/V rows loaded
+one step ahead, so loads overlap the math): its 32 lanes hold strided slices of the head dimension (coalesced f16
+loads, q slices in registers), the nk * gp dot products are summed across lanes with a halving butterfly (about one
+exchange per dot product instead of five), and the online softmax runs per warp; the block's warps merge at the
+end. The per-lane loop is generated as straight-line code per (head_dim, gp, warps) so that the compiler keeps its
+arrays in registers. On a GPU the exchanges are warp shuffles; the simulator has none, so there a shared-memory
+round replaces them (or, for one test, emulated shuffles with block barriers: every warp runs the same steps).
+
+Decode splits the context into n_split chunks of ceil(len / n_split) keys (len read from pos0 on the device, so one
+captured graph serves every position); each block writes its chunk's partial (max, sum, unnormalized output) and a
+reduce kernel merges them. Chunks past the length write a neutral partial (max -inf, sum 0).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import config, cuda
+
+from strata_nb.errors import StrataError
+
+_MAX_SPLIT = 1024  # the reduce kernel keeps one weight per chunk in shared memory
+_GPU_WARPS = 4  # warps per attention block on a GPU
+_SIM_WARPS = 1  # in the simulator (the butterfly test runs 2, to exercise the merge of warps there)
+# How the simulator sums a warp's dot products: "smem" (one shared-memory round, fast there) or "emul" (the GPU's
+# shuffle butterfly with shuffles emulated through shared memory: slow, a test runs it once on a tiny case).
+_SIM_EXCHANGE = "smem"
+# The online-softmax update without per-head branches; False: rescale only when a head's max grows. Both pass the
+# tests on an H200 and time the same there (decode at 32k is latency-bound elsewhere): kept to compare.
+_BRANCH_FREE = True
+
+
+def decode_scratch_shapes(n_head: int, head_dim: int, n_split: int) -> tuple[tuple, tuple, tuple]:
+    """Shapes of attention_decode's scratch (part_m f32, part_l f32, part_o f32)."""
+    return (n_head, n_split), (n_head, n_split), (n_head, n_split, head_dim)
+
+
+def choose_n_split(ctx: int, n_kv_head: int, n_sm: int = 132) -> int:
+    """A split count for attention_decode: about 4 blocks per SM at the full context, chunks of >= 64 keys."""
+    want = max(1, (4 * n_sm) // max(1, n_kv_head))
+    return int(max(1, min(_MAX_SPLIT, want, (ctx + 63) // 64)))
+
+
+# -- warp exchanges ---------------------------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def _xor_gpu(v, mask, xb):
+    return cuda.shfl_xor_sync(0xFFFFFFFF, v, mask)
+
+
+@cuda.jit(device=True)
+def _bcast_gpu(v, src, xb):
+    return cuda.shfl_sync(0xFFFFFFFF, v, src)
+
+
+@cuda.jit(device=True)
+def _xor_sim(v, mask, xb):
+    tid = cuda.threadIdx.x
+    xb[tid] = v
+    cuda.syncthreads()
+    r = xb[tid ^ mask]
+    cuda.syncthreads()
+    return r
+
+
+@cuda.jit(device=True)
+def _bcast_sim(v, src, xb):
+    tid = cuda.threadIdx.x
+    xb[tid] = v
+    cuda.syncthreads()
+    r = xb[(tid - (tid & 31)) + src]
+    cuda.syncthreads()
+    return r
+
+
+# -- kernels (one set per head_dim, padded group, warps per block) ----------------------------------------------
+
+_KERNELS: dict = {}
+
+
+def _kernels(hd: int, gp: int, nw: int, sim: bool):
+    exchange = _SIM_EXCHANGE if sim else "shfl"
+    key = (hd, gp, nw, exchange, _BRANCH_FREE)
+    ks = _KERNELS.get(key)
+    if ks is None:
+        ks = _KERNELS[key] = _build(hd, gp, nw, exchange)
+    return ks
+
+
+def _keys_per_step(gp: int) -> int:
+    """Keys a warp takes per step: their K/V loads are in flight together and their dot products share one
+    butterfly (nk * gp <= 32 values); 2 for big groups to bound the registers."""
+    return max(1, min(4 if gp < 4 else 2, 32 // gp))
+
+
+def _attend_source(hd: int, gp: int, nw: int, nk: int, exchange: str) -> str:
+    """Straight-line source of the per-block attention loop for these sizes.
+
+    Generated so that every index into the per-lane arrays (q slices, accumulators, K/V rows of the step) is a
+    literal: the compiler then keeps them in registers (a loop index would put them in local memory).
+    """
+    dpl = (hd + 31) // 32
+    npair = nk * gp  # (key, head) dot products per step
+    lgp = npair.bit_length() - 1
+    full = [32 * e + 31 < hd for e in range(dpl)]  # dims slice e is in range for every lane
+    o = []
+    a = o.append
+    a("def attend(q, qrow, hq0, nq, kc, vc, g, j0, j1, scale, smw, slw, so, xb, xs):")
+    a("    tid = cuda.threadIdx.x")
+    a("    lane = tid & 31")
+    a("    w = tid >> 5")
+    a(f"    qr = cuda.local.array({gp * dpl}, f32)")
+    a(f"    acc = cuda.local.array({gp * dpl}, f32)")
+    a(f"    m = cuda.local.array({gp}, f32)")
+    a(f"    ls = cuda.local.array({gp}, f32)")
+    for nm in ("ka", "va", "kb", "vb"):
+        a(f"    {nm} = cuda.local.array({nk * dpl}, f32)")
+    a(f"    sc = cuda.local.array({npair}, f32)")
+    for h in range(gp):
+        a(f"    m[{h}] = -np.inf")
+        a(f"    ls[{h}] = f32(0.0)")
+        for e in range(dpl):
+            i = h * dpl + e
+            cond = f"{h} < nq" + ("" if full[e] else f" and lane + {32 * e} < {hd}")
+            a(f"    acc[{i}] = f32(0.0)")
+            a(f"    qr[{i}] = q[qrow, (hq0 + {h}) * {hd} + lane + {32 * e}] if {cond} else f32(0.0)")
+
+    def load(dst_k, dst_v, base):
+        for k in range(nk):
+            a(f"        jj = {base} + {k}")
+            for e in range(dpl):
+                i = k * dpl + e
+                cond = "jj < j1" + ("" if full[e] else f" and lane + {32 * e} < {hd}")
+                a(f"        if {cond}:")
+                a(f"            {dst_k}[{i}] = kc[g, jj, lane + {32 * e}]")
+                a(f"            {dst_v}[{i}] = vc[g, jj, lane + {32 * e}]")
+                a("        else:")
+                a(f"            {dst_k}[{i}] = f32(0.0)")
+                a(f"            {dst_v}[{i}] = f32(0.0)")
+
+    a("    ninf = f32(-np.inf)")
+    a("    one = f32(1.0)")
+    a("    zero = f32(0.0)")
+    a(f"    stp = {nw * nk}")
+    a(f"    jb = j0 + w * {nk}")
+    a("    if True:")
+    load("ka", "va", "jb")
+    a("    rounds = (j1 - j0 + stp - 1) // stp")
+    a("    for it in range(rounds):")
+    a(f"        jb = j0 + it * stp + w * {nk}")
+    load("kb", "vb", "jb + stp")  # the next step's rows, in flight while this one computes
+    for k in range(nk):
+        for h in range(gp):
+            terms = " + ".join(f"qr[{h * dpl + e}] * ka[{k * dpl + e}]" for e in range(dpl))
+            a(f"        sc[{k * gp + h}] = {terms}")
+    if exchange == "smem":  # simulator: one shared-memory round
+        for p_ in range(npair):
+            a(f"        xs[w, lane, {p_}] = sc[{p_}]")
+        a("        cuda.syncthreads()")
+        for p_ in range(npair):
+            a("        t = f32(0.0)")
+            a("        for i in range(32):")
+            a(f"            t += xs[w, i, {p_}]")
+            a(f"        sc[{p_}] = t")
+        a("        cuda.syncthreads()")
+    else:  # halving butterfly, then the plain one, then every lane gets every sum
+        for st in range(lgp):
+            half = npair >> (st + 1)
+            off = 16 >> st
+            a(f"        up = (lane & {off}) != 0")
+            for i in range(half):
+                a(f"        t = sc[{i}] if up else sc[{i + half}]")
+                a(f"        sc[{i}] = (sc[{i + half}] if up else sc[{i}]) + xor(t, {off}, xb)")
+        a("        s0 = sc[0]")
+        for st in range(lgp, 5):
+            a(f"        s0 += xor(s0, {16 >> st}, xb)")
+        for p_ in range(npair):
+            a(f"        sc[{p_}] = bcast(s0, {p_ << (5 - lgp)}, xb)")
+    for k in range(nk):
+        a(f"        ok{k} = jb + {k} < j1")
+    if not _BRANCH_FREE:
+        for h in range(gp):
+            a(f"        mn = m[{h}]")
+            for k in range(nk):
+                a(f"        s{k} = sc[{k * gp + h}] * scale")
+                a(f"        if ok{k} and s{k} > mn:")
+                a(f"            mn = s{k}")
+            a(f"        if mn > m[{h}]:  # rescale only when the max grows (rare after the first keys)")
+            a(f"            c = f32(math.exp(m[{h}] - mn))")
+            a(f"            ls[{h}] *= c")
+            for e in range(dpl):
+                a(f"            acc[{h * dpl + e}] *= c")
+            a(f"            m[{h}] = mn")
+            for k in range(nk):
+                a(f"        if ok{k}:")
+                a(f"            pr = f32(math.exp(s{k} - m[{h}]))")
+                a(f"            ls[{h}] += pr")
+                for e in range(dpl):
+                    a(f"            acc[{h * dpl + e}] += pr * va[{k * dpl + e}]")
+    else:
+        # no branches per head, so the compiler can interleave the heads' exp/FMA chains (masked keys: -inf)
+        for h in range(gp):
+            for k in range(nk):
+                a(f"        s{k} = sc[{k * gp + h}] * scale if ok{k} else ninf")
+            a(f"        mn = max(m[{h}], {', '.join(f's{k}' for k in range(nk))})" if nk > 1 else
+              f"        mn = max(m[{h}], s0)")
+            a(f"        c = f32(math.exp(m[{h}] - mn)) if mn > m[{h}] else one")
+            a(f"        m[{h}] = mn")
+            for k in range(nk):
+                a(f"        p{k} = f32(math.exp(s{k} - mn)) if ok{k} else zero")
+            a(f"        ls[{h}] = ls[{h}] * c + {' + '.join(f'p{k}' for k in range(nk))}")
+            for e in range(dpl):
+                i = h * dpl + e
+                terms = " + ".join(f"p{k} * va[{k * dpl + e}]" for k in range(nk))
+                a(f"        acc[{i}] = acc[{i}] * c + {terms}")
+    for i in range(nk * dpl):
+        a(f"        ka[{i}] = kb[{i}]")
+        a(f"        va[{i}] = vb[{i}]")
+    # merge the warps: each scales its sums to the block max, then they add into so one warp at a time
+    a("    if lane == 0:")
+    for h in range(gp):
+        a(f"        smw[w, {h}] = m[{h}]")
+        a(f"        slw[w, {h}] = ls[{h}]")
+    a("    cuda.syncthreads()")
+    for h in range(gp):
+        a(f"    mx = smw[0, {h}]")
+        for r in range(1, nw):
+            a(f"    mx = max(mx, smw[{r}, {h}])")
+        a(f"    f = f32(math.exp(m[{h}] - mx)) if m[{h}] > -np.inf else f32(0.0)")
+        for e in range(dpl):
+            a(f"    acc[{h * dpl + e}] *= f")
+    a(f"    for r in range({nw}):")
+    a("        if w == r:")
+    for h in range(gp):
+        for e in range(dpl):
+            i = h * dpl + e
+            ind = "            "
+            if not full[e]:
+                a(f"            if lane + {32 * e} < {hd}:")
+                ind += "    "
+            a(f"{ind}so[{h}, lane + {32 * e}] = acc[{i}] if r == 0 else so[{h}, lane + {32 * e}] + acc[{i}]")
+    a("        cuda.syncthreads()")
+    return "\n".join(o) + "\n"
+
+
+def _build(hd: int, gp: int, nw: int, exchange: str):
+    nk = _keys_per_step(gp)
+    nt = 32 * nw
+    sim = exchange != "shfl"
+    smem = exchange == "smem"
+    xs_shape = (nw, 32, nk * gp) if smem else (1, 1, 1)
+    ns = {"cuda": cuda, "np": np, "math": math, "f32": np.float32,
+          "xor": _xor_sim if sim else _xor_gpu, "bcast": _bcast_sim if sim else _bcast_gpu}
+    exec(compile(_attend_source(hd, gp, nw, nk, exchange), f"<attention hd={hd} gp={gp} nw={nw}>", "exec"), ns)
+    attend = cuda.jit(device=True)(ns["attend"])
+
+    @cuda.jit(device=True)
+    def max_sum(smw, slw, h):
+        """The block's (max, sum of exp(s - max)) of head h from the per-warp values."""
+        mx = smw[0, h]
+        for r in range(1, nw):
+            mx = max(mx, smw[r, h])
+        tot = np.float32(0.0)
+        if mx > -np.inf:
+            for r in range(nw):
+                if smw[r, h] > -np.inf:
+                    tot += slw[r, h] * np.float32(math.exp(smw[r, h] - mx))
+        return mx, tot
+
+    @cuda.jit
+    def decode_partial(q, kc, vc, pos0, scale, part_m, part_l, part_o, n_split, grp, n_sub):
+        so = cuda.shared.array((gp, hd), np.float32)
+        smw = cuda.shared.array((nw, gp), np.float32)
+        slw = cuda.shared.array((nw, gp), np.float32)
+        xb = cuda.shared.array(nt, np.float32)
+        xs = cuda.shared.array(xs_shape, np.float32)
+        tid = cuda.threadIdx.x
+        sc = np.float32(scale)
+        n = pos0[0] + 1
+        chunk = (n + n_split - 1) // n_split
+        ntask = kc.shape[0] * n_sub * n_split
+        for task in range(cuda.blockIdx.x, ntask, cuda.gridDim.x):
+            c = task % n_split
+            gs = task // n_split
+            g = gs // n_sub
+            sub = gs - g * n_sub
+            hq0 = g * grp + sub * gp
+            nq = min(gp, grp - sub * gp)
+            j0 = c * chunk
+            j1 = min(n, j0 + chunk)
+            attend(q, 0, hq0, nq, kc, vc, g, j0, max(j0, j1), sc, smw, slw, so, xb, xs)
+            for h in range(tid, nq, nt):
+                mx, tot = max_sum(smw, slw, h)
+                part_m[hq0 + h, c] = mx
+                part_l[hq0 + h, c] = tot
+            for idx in range(tid, nq * hd, nt):
+                h = idx // hd
+                d = idx - h * hd
+                part_o[hq0 + h, c, d] = so[h, d]
+            cuda.syncthreads()
+
+    @cuda.jit
+    def prompt(q, kc, vc, pos0, scale, out, ntok, grp, n_sub):
+        so = cuda.shared.array((gp, hd), np.float32)
+        smw = cuda.shared.array((nw, gp), np.float32)
+        slw = cuda.shared.array((nw, gp), np.float32)
+        xb = cuda.shared.array(nt, np.float32)
+        xs = cuda.shared.array(xs_shape, np.float32)
+        tid = cuda.threadIdx.x
+        sc = np.float32(scale)
+        p0 = pos0[0]
+        per_tok = kc.shape[0] * n_sub
+        for task in range(cuda.blockIdx.x, ntok * per_tok, cuda.gridDim.x):
+            t = task // per_tok
+            gs = task - t * per_tok
+            g = gs // n_sub
+            sub = gs - g * n_sub
+            hq0 = g * grp + sub * gp
+            nq = min(gp, grp - sub * gp)
+            attend(q, t, hq0, nq, kc, vc, g, 0, p0 + t + 1, sc, smw, slw, so, xb, xs)
+            for idx in range(tid, nq * hd, nt):
+                h = idx // hd
+                d = idx - h * hd
+                mx, tot = max_sum(smw, slw, h)
+                out[t, (hq0 + h) * hd + d] = so[h, d] / tot
+            cuda.syncthreads()
+
+    return decode_partial, prompt
+
+
+@cuda.jit(cache=True)
+def _decode_reduce_k(part_m, part_l, part_o, out):
+    wt = cuda.shared.array(_MAX_SPLIT, np.float32)
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    nh, ns, hd = part_o.shape
+    for h in range(cuda.blockIdx.x, nh, cuda.gridDim.x):
+        mx = part_m[h, 0]
+        for c in range(1, ns):
+            mx = max(mx, part_m[h, c])
+        tot = np.float32(0.0)
+        for c in range(ns):
+            if part_m[h, c] > -np.inf:
+                tot += part_l[h, c] * np.float32(math.exp(part_m[h, c] - mx))
+        for c in range(tid, ns, nt):
+            mc = part_m[h, c]
+            wt[c] = np.float32(math.exp(mc - mx)) / tot if mc > -np.inf else np.float32(0.0)
+        cuda.syncthreads()
+        for d in range(tid, hd, nt):
+            a = np.float32(0.0)
+            for c in range(ns):
+                if wt[c] != 0.0:  # chunks past the length: their part_o is not read
+                    a += part_o[h, c, d] * wt[c]
+            out[0, h * hd + d] = a
+        cuda.syncthreads()
+
+
+# -- launch helpers ---------------------------------------------------------------------------------------------
+
+def _group(n_head: int, n_kv: int) -> tuple[int, int, int]:
+    """(query heads per kv head, padded group gp <= 32, blocks per kv head)."""
+    if n_kv <= 0 or n_head % n_kv:
+        raise StrataError(f"attention: {n_head} query heads do not split over {n_kv} kv heads")
+    grp = n_head // n_kv
+    gp = 1 << (min(grp, 32) - 1).bit_length()
+    return grp, gp, (grp + gp - 1) // gp
+
+
+def attention_decode(q, kc, vc, pos0, scale: float, out, part_m, part_l, part_o, n_split: int, stream) -> None:
+    """One query token at position pos0[0] (sees cache 0..pos0[0]); q, out f32[1, H*hd]; kc, vc f16[Hkv, ctx, hd];
+    part_* shaped by decode_scratch_shapes(H, hd, n_split). n_split is fixed at capture."""
+    n_kv, _, hd = kc.shape
+    n_head = part_m.shape[0]
+    if not 0 < n_split <= _MAX_SPLIT or part_m.shape[1] != n_split or part_o.shape != (n_head, n_split, hd):
+        raise StrataError(f"attention_decode: scratch shapes {part_m.shape}/{part_o.shape} do not fit "
+                          f"n_split={n_split} (at most {_MAX_SPLIT}), head_dim {hd}")
+    grp, gp, n_sub = _group(n_head, n_kv)
+    sim = bool(config.ENABLE_CUDASIM)
+    nw = _SIM_WARPS if sim else _GPU_WARPS
+    partial, _ = _kernels(hd, gp, nw, sim)
+    ntask = n_kv * n_sub * n_split
+    blocks = min(ntask, 2) if sim else ntask
+    partial[blocks, 32 * nw, stream](q, kc, vc, pos0, float(scale), part_m, part_l, part_o, n_split, grp, n_sub)
+    rb, rt = (min(n_head, 2), 32) if sim else (n_head, 128)
+    _decode_reduce_k[rb, rt, stream](part_m, part_l, part_o, out)
+
+
+def attention_prompt(q, kc, vc, pos0, scale: float, out, ntok: int, stream) -> None:
+    """Causal attention of ntok query tokens: token t (position pos0[0]+t) sees cache 0..pos0[0]+t.
+    q, out f32[>=ntok, H*hd]; kc, vc f16[Hkv, ctx, hd] already hold the tokens' own keys and values."""
+    if ntok <= 0:
+        return
+    n_kv, _, hd = kc.shape
+    n_head = q.shape[1] // hd
+    grp, gp, n_sub = _group(n_head, n_kv)
+    sim = bool(config.ENABLE_CUDASIM)
+    nw = _SIM_WARPS if sim else _GPU_WARPS
+    _, prompt = _kernels(hd, gp, nw, sim)
+    ntask = ntok * n_kv * n_sub
+    blocks = min(ntask, 2) if sim else min(ntask, 1 << 20)
+    prompt[blocks, 32 * nw, stream](q, kc, vc, pos0, float(scale), out, ntok, grp, n_sub)

@@ -1,0 +1,106 @@
+"""The few CUDA runtime pieces numba.cuda does not wrap the way the hybrid engine needs them.
+
+- cuda_status(): is there a usable GPU (or the simulator), and if not, why.
+- Graph: a sequence of kernel launches captured once as a CUDA graph (stream capture through the driver API, as
+  gpu-machine.md measured: ~1 us per replayed kernel against ~33 us per launch from Python) and replayed. Under
+  numba's simulator there are no graphs: the recorded launches are replayed as calls, which is the same
+  computation, so the tests exercise the same code path.
+- host_view(): the numpy view of a mapped (zero-copy) array; event_done(): a non-blocking event query.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from numba import config, cuda
+
+from strata_nb.errors import StrataError
+
+SIM = bool(config.ENABLE_CUDASIM)
+
+
+def cuda_status() -> tuple[bool, str]:
+    """(usable, a line saying what was found)."""
+    try:
+        if not cuda.is_available():
+            return False, "no CUDA GPU found by numba.cuda"
+        if SIM:
+            return True, "numba CUDA simulator"
+        dev = cuda.get_current_device()
+        name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+        return True, f"CUDA device {dev.id}: {name} (compute {dev.compute_capability[0]}.{dev.compute_capability[1]})"
+    except Exception as e:  # a broken driver install is "no GPU", said plainly
+        return False, f"CUDA not usable: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+
+
+def device_memory() -> tuple[int, int]:
+    """(free, total) bytes of the current device."""
+    if SIM:
+        return 8 << 30, 8 << 30  # the simulator's "device" is host memory; the plan needs some number
+    free, total = cuda.current_context().get_memory_info()
+    return int(free), int(total)
+
+
+def host_view(mapped) -> np.ndarray:
+    """The host numpy view of a cuda.mapped_array (the simulator wraps it)."""
+    return mapped if isinstance(mapped, np.ndarray) else mapped._ary
+
+
+def event_done(ev) -> bool:
+    """Has the work before ev.record() finished? (The simulator runs everything synchronously.)"""
+    return True if SIM else bool(ev.query())
+
+
+def stream_wait(stream, ev) -> None:
+    """Make stream wait (on the device, not the host) for ev."""
+    if not SIM:
+        ev.wait(stream)
+
+
+def _check(res, what: str):
+    err = res[0] if isinstance(res, tuple) else res
+    if int(err) != 0:
+        raise StrataError(f"CUDA {what} failed: {err}")
+    return res[1] if isinstance(res, tuple) and len(res) > 1 else None
+
+
+class Graph:
+    """Launches recorded by fn(stream), captured into one CUDA graph and replayed with launch(stream).
+
+    fn must only enqueue work on the stream it is given (the cuda_kernels launch helpers do exactly that) and must
+    read every per-token value from device memory, since a replay repeats the captured arguments.
+    """
+
+    def __init__(self, fn: Callable[[object], None], stream, name: str):
+        self.name = name
+        self._fn = fn
+        self._exec = None
+        if SIM:
+            return
+        from cuda.bindings import driver as drv
+
+        self._drv = drv
+        h = stream.handle
+        _check(drv.cuStreamBeginCapture(h, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+               f"begin capture of {name}")
+        try:
+            fn(stream)
+        except BaseException:
+            drv.cuStreamEndCapture(h)
+            raise
+        graph = _check(drv.cuStreamEndCapture(h), f"end capture of {name}")
+        self._graph = graph
+        self._exec = _check(drv.cuGraphInstantiate(graph, 0), f"instantiate {name}")
+        _check(drv.cuGraphUpload(self._exec, h), f"upload {name}")
+
+    def launch(self, stream) -> None:
+        if self._exec is None:
+            self._fn(stream)
+        else:
+            _check(self._drv.cuGraphLaunch(self._exec, stream.handle), f"launch {self.name}")
+
+    def close(self) -> None:
+        if self._exec is not None:
+            self._drv.cuGraphExecDestroy(self._exec)
+            self._drv.cuGraphDestroy(self._graph)
+            self._exec = None

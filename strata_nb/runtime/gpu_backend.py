@@ -1,0 +1,507 @@
+"""The hybrid forward: dense layers on the GPU replayed from CUDA graphs, routed experts split between the VRAM
+slot cache (GPU) and the CPU expert pool, handed over by the doorbell.
+
+One program per forward, built from the ModelSpec: a list of *segments*, each a sequence of kernel launches that
+ends where the host must act. A MoE layer whose experts are not all in VRAM ends its segment right after the GPU
+has published the layer's routing (the GPU goes on with the VRAM hits and the shared expert); the host's doorbell
+thread computes the misses and launches the next segment, which starts by adding the CPU's sum. A layer with every
+expert in VRAM needs no host at all, so with all experts resident a token is two graph launches.
+
+Decode captures each segment once as a CUDA graph (positions, token ids and sampler state live in device memory,
+so replays need no new arguments) and never allocates; prompts run the same program for T tokens with direct
+launches. All CUDA work happens on the doorbell thread (runtime.doorbell.DeviceThread).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+from numba import cuda
+
+from strata_nb.cuda_kernels import attention as katt
+from strata_nb.cuda_kernels import mailbox as kmb
+from strata_nb.cuda_kernels import matmul as kmm
+from strata_nb.cuda_kernels import ops as kops
+from strata_nb.cuda_kernels import sample as ks
+from strata_nb.errors import StrataError
+from strata_nb.experts.store import ExpertStore
+from strata_nb.experts.vram_cache import VRAMCache
+from strata_nb.model.spec import ModelSpec
+from strata_nb.model.weights import Linear, ModelWeights
+from strata_nb.runtime.cpu_backend import Activation, CPUBackend
+from strata_nb.runtime.cuda_rt import SIM, Graph
+from strata_nb.runtime.doorbell import DeviceThread, Mailbox
+from strata_nb.runtime.gpu_sampler import GPUSampler
+from strata_nb.runtime.sampler import Sampler, SamplerConfig
+from strata_nb.runtime.session import Session
+
+Op = Callable[[object], None]  # enqueues kernels on the stream it is given
+
+
+@dataclass
+class HybridStats:
+    """Accumulated over decode tokens. graph_s + wait_s + cpu_s + host_s is the wall time of those tokens:
+    wait_s the doorbell waits (the GPU running a layer up to its publish), graph_s the wait for the last segment
+    (head and sampler), cpu_s the CPU expert pool, host_s everything else on the host (launches, bookkeeping)."""
+
+    tokens: int = 0
+    graph_s: float = 0.0
+    wait_s: float = 0.0
+    cpu_s: float = 0.0
+    host_s: float = 0.0
+    hits: int = 0  # expert choices computed from VRAM slots
+    misses: int = 0  # expert choices computed by the CPU pool
+    hit_bytes: int = 0
+    miss_bytes: int = 0
+    routed: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))  # [n_layer, n_expert]
+
+    def copy(self) -> "HybridStats":
+        return dataclasses.replace(self, routed=self.routed.copy())
+
+    def __sub__(self, o: "HybridStats") -> "HybridStats":
+        return HybridStats(**{f.name: getattr(self, f.name) - getattr(o, f.name) for f in dataclasses.fields(self)})
+
+    @property
+    def wall_s(self) -> float:
+        return self.graph_s + self.wait_s + self.cpu_s + self.host_s
+
+
+def scratch_bytes(spec: ModelSpec, ntok: int, n_ctx: int) -> int:
+    """Device bytes of the activation buffers for ntok tokens (the KV cache and weights not included)."""
+    k = max(spec.n_expert_used, 1)
+    f_sh = spec.n_ff_exp * 8 if spec.shared_expert else 0  # upper bound on a shared expert's width
+    per_tok = (2 * spec.n_embd + 2 * spec.q_dim + 2 * spec.kv_dim + spec.n_expert + 2 * k + spec.n_vocab
+               + k * (3 * spec.n_ff_exp + spec.n_embd) + 3 * f_sh + spec.n_embd + 3 * spec.n_ff + 1) * 4
+    n_split = katt.choose_n_split(n_ctx, spec.n_head_kv)
+    return ntok * per_tok + spec.n_head * n_split * (spec.head_dim + 2) * 4
+
+
+def kv_bytes(spec: ModelSpec, n_ctx: int) -> int:
+    """The float16 KV cache on the device."""
+    return 2 * spec.n_layer * spec.n_head_kv * n_ctx * spec.head_dim * 2
+
+
+@dataclass
+class _DLinear:
+    qtype: int
+    rows: object  # device u8[n_out, row_bytes]
+    bias: object | None
+    n_out: int
+
+
+class _Segment:
+    def __init__(self, ops: list[Op], doorbell: int | None):
+        self.ops = ops
+        self.doorbell = doorbell  # the MoE layer whose CPU misses follow this segment (None: the last segment)
+        self.graph: Graph | None = None
+
+    def run(self, stream) -> None:
+        for op in self.ops:
+            op(stream)
+
+    def launch(self, stream) -> None:
+        if self.graph is not None:
+            self.graph.launch(stream)
+        else:
+            self.run(stream)
+
+
+class GPUBackend:
+    """The hybrid engine on one GPU. vram_slots: expert slots per MoE layer (the plan's)."""
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, store: ExpertStore | None, *, n_ctx: int,
+                 vram_slots: dict[int, int], fast: bool = True, ntok_max: int = 256, timeout_s: float = 60.0,
+                 adapt_every: int = 4, progress: Callable[[int, int], None] | None = None):
+        self.spec = spec
+        self.w = weights
+        self.experts = store
+        self.n_ctx = n_ctx
+        self.ntok_max = max(1, min(ntok_max, n_ctx))
+        self.timeout_s = timeout_s
+        self.cpu = CPUBackend(spec, weights, store, fast=fast)  # the CPU expert pool (and its stats)
+        self.stats = self.cpu.stats
+        self.hybrid = HybridStats(routed=np.zeros((spec.n_layer, max(spec.n_expert, 1)), np.int64))
+        self.device_line = ""
+        self._thread = DeviceThread()
+        try:
+            self._thread.call(self._load, vram_slots, adapt_every, progress)
+        except BaseException:
+            self._thread.close()
+            raise
+
+    @property
+    def fast(self) -> bool:
+        """int8 activations in the CPU pool (the GPU kernels use float32 activations)."""
+        return self.cpu.fast
+
+    # -- loading (device thread) --------------------------------------------------------------------------
+    def _load(self, vram_slots, adapt_every, progress) -> None:
+        s, w = self.spec, self.weights_for_device()
+        self.stream = cuda.stream()
+        self.dev = w
+        tm, k = self.ntok_max, max(s.n_expert_used, 1)
+        f32 = np.float32
+
+        def z(*shape, dt=f32):
+            return cuda.device_array(shape, dt)
+
+        self.kc = [cuda.to_device(np.zeros((s.n_head_kv, self.n_ctx, s.head_dim), np.float16))
+                   for _ in range(s.n_layer)]
+        self.vc = [cuda.to_device(np.zeros((s.n_head_kv, self.n_ctx, s.head_dim), np.float16))
+                   for _ in range(s.n_layer)]
+        self.x, self.xn, self.sy = z(tm, s.n_embd), z(tm, s.n_embd), z(tm, s.n_embd)
+        self.q, self.att = z(tm, s.q_dim), z(tm, s.q_dim)
+        self.k, self.v = z(tm, s.kv_dim), z(tm, s.kv_dim)
+        self.logits = z(tm, s.n_vocab)
+        self.tok = cuda.to_device(np.zeros(tm, np.int32))
+        self.pos = cuda.to_device(np.zeros(1, np.int32))
+        self.counter = cuda.to_device(np.zeros(1, np.int64))
+        if s.is_moe:
+            self.rl, self.ids, self.wts = z(tm, s.n_expert), z(tm, k, dt=np.int32), z(tm, k)
+            self.eg, self.eu, self.eh = z(tm * k, s.n_ff_exp), z(tm * k, s.n_ff_exp), z(tm * k, s.n_ff_exp)
+            self.ey = z(tm * k, s.n_embd)
+        f_sh = max((lw.shexp_gate.n_out for lw in self.w.layers if lw.shexp_gate is not None), default=0)
+        if f_sh:
+            self.sg, self.su, self.sh = z(tm, f_sh), z(tm, f_sh), z(tm, f_sh)
+        if s.n_ff:
+            self.fg, self.fu, self.fh = z(tm, s.n_ff), z(tm, s.n_ff), z(tm, s.n_ff)
+        n_sm = 132 if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
+        self.n_split = katt.choose_n_split(self.n_ctx, s.n_head_kv, n_sm)
+        self.parts = [z(*shape) for shape in katt.decode_scratch_shapes(s.n_head, s.head_dim, self.n_split)]
+        r = s.rope
+        corr = r.corr_dims() if r.ext_factor else (0.0, 0.0)
+        mult, self.mscale = kops.rope_mult(r.n_rot, r.base, r.freq_scale, r.ext_factor, corr[0], corr[1],
+                                           self.w.rope_freqs.astype(np.float64), r.attn_factor)
+        self.mult = cuda.to_device(np.ascontiguousarray(mult, np.float64))
+        self.mb = Mailbox(tm, s.n_embd, k)
+        self.cache = None
+        if s.is_moe:
+            self.cache = VRAMCache(self.experts.src, s.n_layer, s.n_expert, vram_slots,
+                                   self.experts.profile, adapt_every=adapt_every, timeout_s=self.timeout_s)
+            self.cache.fill(self.stream, progress)
+            self._table = self.cache.table
+            self._full = self.cache.full_layers
+            self._slot_bytes = {l: lay.slot_bytes for l, lay in self.cache.layouts.items()}
+            self._expert_bytes = {l: sum(m.nbytes for m in lay.mats.values())
+                                  for l, lay in self.cache.layouts.items()}
+        self.sampler = self._gpu_sampler(SamplerConfig(seed=0))
+        self._bound_sampler: Sampler | None = None
+        self._dev_pos = 0
+        self._seq = 0
+        self._decode: list[_Segment] | None = None  # captured lazily after one direct decode step
+        self._decode_logits: list[_Segment] | None = None
+        self.stream.synchronize()
+        self.vram = {"dense": self._dense_bytes, "kv": 2 * sum(a.nbytes for a in self.kc),
+                     "experts": self.cache.nbytes if self.cache else 0}
+
+    def weights_for_device(self) -> dict:
+        """Upload every dense tensor in its GGUF layout (no float copy of quantized weights)."""
+        n = [0]
+
+        def lin(m: Linear | None) -> _DLinear | None:
+            if m is None:
+                return None
+            rows = cuda.to_device(np.ascontiguousarray(m.rows))
+            bias = cuda.to_device(np.ascontiguousarray(m.bias, np.float32)) if m.bias is not None else None
+            n[0] += m.rows.nbytes + (m.bias.nbytes if m.bias is not None else 0)
+            return _DLinear(m.qtype, rows, bias, m.n_out)
+
+        def vec(a: np.ndarray | None):
+            if a is None:
+                return None
+            n[0] += a.nbytes
+            return cuda.to_device(np.ascontiguousarray(a, np.float32))
+
+        layers = []
+        for lw in self.w.layers:
+            layers.append({f.name: (lin(getattr(lw, f.name)) if isinstance(getattr(lw, f.name), Linear)
+                                    else vec(getattr(lw, f.name))) for f in dataclasses.fields(lw)})
+        emb = lin(self.w.embd)
+        out = emb if self.w.output is self.w.embd else lin(self.w.output)
+        d = {"layers": layers, "embd": emb, "output": out, "output_norm": vec(self.w.output_norm)}
+        self._dense_bytes = n[0]
+        return d
+
+    # -- the program --------------------------------------------------------------------------------------
+    def _linear(self, m: _DLinear, x, out, ntok: int, accumulate: bool = False) -> list[Op]:
+        ops: list[Op] = [lambda st: kmm.matmul(m.qtype, m.rows, x, out, ntok, st, accumulate=accumulate)]
+        if m.bias is not None:
+            ops.append(lambda st: kops.add_bias(out, m.bias, ntok, st))
+        return ops
+
+    def _attention(self, l: int, T: int) -> list[Op]:
+        s, L = self.spec, self.dev["layers"][l]
+        eps = float(s.rms_eps)
+        ops: list[Op] = [lambda st: kops.rmsnorm(self.x, L["attn_norm"], eps, self.xn, T, st)]
+        ops += self._linear(L["wq"], self.xn, self.q, T)
+        ops += self._linear(L["wk"], self.xn, self.k, T)
+        ops += self._linear(L["wv"], self.xn, self.v, T)
+        if s.qk_norm == "head":
+            qh = self.q.reshape(self.ntok_max * s.n_head, s.head_dim)
+            kh = self.k.reshape(self.ntok_max * s.n_head_kv, s.head_dim)
+            ops.append(lambda st: kops.rmsnorm(qh, L["q_norm"], eps, qh, T * s.n_head, st))
+            ops.append(lambda st: kops.rmsnorm(kh, L["k_norm"], eps, kh, T * s.n_head_kv, st))
+        elif s.qk_norm == "full":
+            ops.append(lambda st: kops.rmsnorm(self.q, L["q_norm"], eps, self.q, T, st))
+            ops.append(lambda st: kops.rmsnorm(self.k, L["k_norm"], eps, self.k, T, st))
+        r = s.rope
+        neox = r.style == "neox"
+        ops.append(lambda st: kops.rope(self.q, s.n_head, s.head_dim, r.n_rot, self.mult, self.mscale, neox,
+                                        self.pos, T, st))
+        ops.append(lambda st: kops.rope(self.k, s.n_head_kv, s.head_dim, r.n_rot, self.mult, self.mscale, neox,
+                                        self.pos, T, st))
+        kc, vc = self.kc[l], self.vc[l]
+        ops.append(lambda st: kops.kv_append(self.k, self.v, kc, vc, self.pos, T, st))
+        scale = 1.0 / math.sqrt(s.head_dim)
+        if T == 1:
+            pm, pl, po = self.parts
+            ops.append(lambda st: katt.attention_decode(self.q, kc, vc, self.pos, scale, self.att, pm, pl, po,
+                                                        self.n_split, st))
+        else:
+            ops.append(lambda st: katt.attention_prompt(self.q, kc, vc, self.pos, scale, self.att, T, st))
+        ops += self._linear(L["wo"], self.att, self.x, T, accumulate=True)
+        return ops
+
+    def _ffn(self, l: int, T: int) -> tuple[list[Op], list[Op], bool]:
+        """(ops up to and including the layer's GPU work, ops after the CPU's part, whether the host must act)."""
+        s, L = self.spec, self.dev["layers"][l]
+        ops: list[Op] = [lambda st: kops.rmsnorm(self.x, L["ffn_norm"], float(s.rms_eps), self.xn, T, st)]
+        if L["router"] is None:
+            ops += self._linear(L["ffn_gate"], self.xn, self.fg, T) + self._linear(L["ffn_up"], self.xn, self.fu, T)
+            ops.append(lambda st: kops.swiglu(self.fg, self.fu, self.fh, T, st))
+            ops += self._linear(L["ffn_down"], self.fh, self.x, T, accumulate=True)
+            return ops, [], False
+        k = s.n_expert_used
+        table = self._table[l]
+        ops += self._linear(L["router"], self.xn, self.rl, T)
+        ops.append(lambda st: kops.route_topk(self.rl, k, bool(s.expert_norm), float(s.expert_weights_scale),
+                                              self.ids, self.wts, T, st))
+        hybrid = l not in self._full
+        mb = self.mb.device
+        if hybrid:  # publish first: the CPU starts on the misses while the GPU computes the hits below
+            ops.append(lambda st: kmb.publish_rows(self.xn, mb["x"], T, st))
+            ops.append(lambda st: kmb.publish_route(self.ids, self.wts, table, mb["ids"], mb["wts"], mb["slot"],
+                                                    T, st))
+            ops.append(lambda st: kmb.ring(self.counter, mb["seq"], st))
+        if self.cache.slots.get(l, 0) > 0:
+            buf, lay = self.cache.bufs[l], self.cache.layouts[l]
+            g, u, d = lay.mats["gate"], lay.mats["up"], lay.mats["down"]
+            ops.append(lambda st: kmm.moe_slots(g.qtype, buf, g.offset, g.rows, g.row_bytes, table, self.ids,
+                                                self.xn, False, self.eg, T, st))
+            ops.append(lambda st: kmm.moe_slots(u.qtype, buf, u.offset, u.rows, u.row_bytes, table, self.ids,
+                                                self.xn, False, self.eu, T, st))
+            ops.append(lambda st: kops.swiglu(self.eg, self.eu, self.eh, T * k, st))
+            ops.append(lambda st: kmm.moe_slots(d.qtype, buf, d.offset, d.rows, d.row_bytes, table, self.ids,
+                                                self.eh, True, self.ey, T, st))
+            ops.append(lambda st: kops.moe_combine(self.x, self.ey, self.wts, self.ids, table, T, st))
+        if L["shexp_gate"] is not None:
+            ops += self._linear(L["shexp_gate"], self.xn, self.sg, T) + self._linear(L["shexp_up"], self.xn,
+                                                                                      self.su, T)
+            ops.append(lambda st: kops.swiglu(self.sg, self.su, self.sh, T, st))
+            if L["shexp_gate_inp"] is not None:
+                ops += self._linear(L["shexp_down"], self.sh, self.sy, T)
+                ops.append(lambda st: kops.sigmoid_gate(self.sy, self.xn, L["shexp_gate_inp"], T, st))
+                ops.append(lambda st: kops.add(self.x, self.sy, T, st))
+            else:
+                ops += self._linear(L["shexp_down"], self.sh, self.x, T, accumulate=True)
+        after = [lambda st: kops.add(self.x, mb["y"], T, st)] if hybrid else []
+        return ops, after, hybrid
+
+    def _program(self, T: int, tokens, tail: str, all_logits: bool = False) -> list[_Segment]:
+        """The segments of a forward of T tokens read from the device array `tokens`. tail: "logits" (head into
+        self.logits), or "sample" (head, then the device sampler draws the next token)."""
+        s, D = self.spec, self.dev
+        segs: list[_Segment] = []
+        cur: list[Op] = [lambda st: kmm.embed(D["embd"].qtype, D["embd"].rows, tokens, self.x, T, st)]
+        for l in range(s.n_layer):
+            cur += self._attention(l, T)
+            pre, post, hybrid = self._ffn(l, T)
+            cur += pre
+            if hybrid:
+                segs.append(_Segment(cur, l))
+                cur = list(post)
+        rows = T if all_logits else 1
+        xl = self.x if all_logits else self.x[T - 1:T]
+        xnl = self.xn if all_logits else self.xn[T - 1:T]
+        cur.append(lambda st: kops.rmsnorm(xl, D["output_norm"], float(s.rms_eps), xnl, rows, st))
+        cur += self._linear(D["output"], xnl, self.logits, rows)
+        if tail == "sample":
+            lrow = self.logits[0]
+            cur.append(lambda st: self.sampler.launch(lrow, st))
+        cur.append(lambda st: kmb.advance(self.pos, T, st))
+        cur.append(lambda st: kmb.ring(self.counter, self.mb.device["seq"], st))
+        segs.append(_Segment(cur, None))
+        return segs
+
+    # -- running (device thread) --------------------------------------------------------------------------
+    def _cpu_pool(self, layer: int, T: int, stats: HybridStats | None) -> float:
+        """The misses of `layer` for T tokens: read the published routing, compute, write the weighted sum."""
+        mb = self.mb
+        ids = mb.ids[:T].astype(np.int64)
+        hit = mb.slot[:T] >= 0
+        routed = ids.reshape(-1)
+        if self.experts is not None:
+            uniq, cnt = np.unique(routed, return_counts=True)
+            self.experts.routed(layer, uniq, cnt)  # the profile counts every choice, hits included
+        missed = ids[~hit]
+        self.cache.note(layer, routed, missed)
+        y = mb.y[:T]
+        y[:] = 0.0
+        t0 = time.perf_counter()
+        if missed.size:
+            self.cpu.routed_experts(layer, Activation(np.array(mb.x[:T])), np.where(hit, -1, ids),
+                                    np.array(mb.wts[:T]), y, record=False)
+        dt = time.perf_counter() - t0
+        if stats is not None:
+            nh = int(hit.sum())
+            nb = self._expert_bytes[layer]
+            stats.hits += nh
+            stats.misses += missed.size
+            stats.hit_bytes += nh * nb
+            stats.miss_bytes += missed.size * nb
+            np.add.at(stats.routed[layer], routed, 1)
+        return dt
+
+    def _execute(self, segs: list[_Segment], T: int, stats: HybridStats | None) -> None:
+        t0 = time.perf_counter()
+        wait = cpu = last = 0.0
+        for seg in segs:
+            seg.launch(self.stream)
+            self._seq += 1
+            if seg.doorbell is not None:
+                wait += self.mb.wait(self._seq, self.timeout_s, f"the routing of layer {seg.doorbell}")
+                cpu += self._cpu_pool(seg.doorbell, T, stats)
+            else:
+                last += self.mb.wait(self._seq, self.timeout_s, "the end of the forward")
+        self._dev_pos += T
+        if self.cache is not None:
+            self.cache.end_token(self.stream)
+        if stats is not None:
+            stats.tokens += 1
+            stats.wait_s += wait
+            stats.cpu_s += cpu
+            stats.graph_s += last
+            stats.host_s += time.perf_counter() - t0 - wait - cpu - last
+
+    def _set_pos(self, pos: int) -> None:
+        if pos != self._dev_pos:
+            self.pos.copy_to_device(np.array([pos], np.int32), stream=self.stream)
+            self._dev_pos = pos
+
+    def _decode_segments(self, tail: str) -> list[_Segment]:
+        """The T=1 program, captured into graphs at its second use (the first run compiles every kernel)."""
+        attr = "_decode" if tail == "sample" else "_decode_logits"
+        segs = getattr(self, attr)
+        if segs is None:
+            segs = self._program(1, self.sampler.token, tail)
+            setattr(self, attr, segs)
+            return segs
+        if segs[0].graph is None:
+            self.stream.synchronize()
+            for i, seg in enumerate(segs):
+                seg.graph = Graph(seg.run, self.stream, f"decode segment {i}")
+        return segs
+
+    def _forward(self, pos: int, tokens: np.ndarray, tail: str, all_logits: bool) -> np.ndarray | None:
+        T = len(tokens)
+        self._set_pos(pos)
+        out = []
+        for c0 in range(0, T, self.ntok_max):
+            chunk = tokens[c0:c0 + self.ntok_max]
+            n = len(chunk)
+            last = c0 + n == T
+            if n == 1 and not all_logits:
+                self.sampler.token.copy_to_device(np.asarray(chunk, np.int32), stream=self.stream)
+                segs = self._decode_segments(tail if last else "logits")
+            else:
+                self.tok[:n].copy_to_device(np.asarray(chunk, np.int32), stream=self.stream)
+                segs = self._program(n, self.tok, tail if last else "logits", all_logits)
+            self._execute(segs, n, None)
+            if all_logits or (last and tail == "logits"):
+                rows = n if all_logits else 1
+                out.append(self.logits[:rows].copy_to_host(stream=self.stream))
+                self.stream.synchronize()
+        return np.concatenate(out) if out else None
+
+    def _decode_step(self, stats: HybridStats) -> int:
+        self._execute(self._decode_segments("sample"), 1, stats)
+        return self.sampler.result()
+
+    def _gpu_sampler(self, config: SamplerConfig) -> GPUSampler:
+        cap = max(self.n_ctx, int(config.repeat_last_n)) + 1
+        return GPUSampler(config, self.spec.n_vocab, cap)
+
+    def _bind_sampler(self, sampler: Sampler, history: Sequence[int]) -> None:
+        """The device sampler takes over the host sampler's chain and seed (a new configuration is a new device
+        sampler: the decode graphs that read the old one's token are captured again)."""
+        cfg = dataclasses.replace(sampler.config, seed=sampler.seed)
+        if cfg != self.sampler.config:
+            self.sampler = self._gpu_sampler(cfg)
+            self._drop_graphs()
+        self.sampler.set_history(history, stream=self.stream)
+        st = self.sampler.state.copy_to_host(stream=self.stream)
+        st[ks.ST_STEP] = sampler.step  # continue the host sampler's draws: uniform(seed, step)
+        self.sampler.state.copy_to_device(st, stream=self.stream)
+        self.stream.synchronize()
+        self._bound_sampler = sampler
+
+    def _drop_graphs(self) -> None:
+        for segs in (self._decode, self._decode_logits):
+            for seg in segs or ():
+                if seg.graph is not None:
+                    seg.graph.close()
+        self._decode = self._decode_logits = None
+
+    # -- the Backend interface ----------------------------------------------------------------------------
+    def forward(self, session: Session, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:
+        tokens = np.asarray(tokens, np.int64)
+        session.reserve(len(tokens))
+        logits = self._thread.call(self._forward, session.pos, tokens, "logits", all_logits)
+        session.advance([int(t) for t in tokens])
+        self.stats.dense_bytes += self.w.dense_bytes_per_token()
+        return logits
+
+    def sample_next(self, session: Session, tokens: Sequence[int], sampler: Sampler, history: Sequence[int]) -> int:
+        """Run tokens and draw the next token on the device; only its id comes back to the host."""
+        tokens = np.asarray(tokens, np.int64)
+        session.reserve(len(tokens))
+        if len(tokens) > 1 or sampler is not self._bound_sampler:
+            self._thread.call(self._bind_sampler, sampler, history)
+            self._thread.call(self._forward, session.pos, tokens, "sample", False)
+            tok = self.sampler.result()
+            sampler.step += 1
+        elif session.pos != self._dev_pos or int(tokens[0]) != int(self.sampler.token_host[0]):
+            raise StrataError("the GPU sampler continues its own sequence: pass it the token it drew")
+        else:
+            tok = self._thread.call(self._decode_step, self.hybrid)
+            sampler.step += 1
+        session.advance([int(t) for t in tokens])
+        self.stats.dense_bytes += self.w.dense_bytes_per_token()
+        return tok
+
+    def vram_lines(self) -> list[str]:
+        gb = 1e9
+        v = self.vram
+        lines = [f"VRAM            dense weights {v['dense'] / gb:.2f} GB, KV cache {v['kv'] / gb:.2f} GB, "
+                 f"expert slots {v['experts'] / gb:.2f} GB"]
+        if self.cache is not None:
+            n = sum(self.cache.slots.values())
+            tot = self.spec.n_expert * len(self.cache.slots)
+            lines.append(f"expert slots    {n} of {tot} experts ({100 * n / max(tot, 1):.0f}%), "
+                         f"{min(self.cache.slots.values())}-{max(self.cache.slots.values())} per layer")
+        return lines
+
+    def close(self) -> None:
+        def _close():
+            self._drop_graphs()
+            if self.cache is not None:
+                self.cache.close()
+
+        try:
+            self._thread.call(_close)
+        finally:
+            self._thread.close()

@@ -1,0 +1,201 @@
+"""The CUDA matrix kernels (cuda_kernels/matmul.py) against numpy on gguf-py's dequantized weights and against
+their njit twins (cpu_kernels.matmul: matmul_f32, dequant_rows).
+
+Runs in numba's CUDA simulator without a GPU (tests/conftest.py) and unchanged on a GPU. Weights: float and
+legacy types quantized from random floats with gguf.quants.quantize; K-quants (gguf-py cannot quantize them)
+random bytes with finite fp16 scales of random sign, so every quant and packed-scale bit pattern occurs.
+Outputs start as sentinels, so rows and tokens a kernel must not touch are checked too.
+Tolerances (float32 accumulation in another order than numpy's float64 / the njit twin):
+  matmul, moe_slots  |err| <= 1e-5 * sum_k |w_k x_k| + 1e-6 per output
+  embed              |err| <= 1e-6 * |w| + 1e-6 * max|row| (the GPU may fuse scale*q - min into one fma;
+                     gguf-py and the CPU twin round the product first)
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+from gguf.quants import dequantize, quantize
+from numba import cuda
+
+from strata_nb.cpu_kernels.matmul import dequant_rows, matmul_f32
+from strata_nb.cpu_kernels.qtypes import FLOAT_TYPES, Q4_K, Q6_K, QUANT_INFO, SUPPORTED, row_bytes
+from strata_nb.cuda_kernels import matmul as mm
+from strata_nb.errors import StrataError
+
+# byte offsets of the fp16 scale/min fields in a K-quant block (ggml-common.h)
+KQ_FP16 = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+TYPES = [pytest.param(q, id=QUANT_INFO[q][0]) for q in SUPPORTED]
+SENTINEL = np.float32(-777.0)
+
+
+def k_of(qtype: int) -> int:
+    """Row length: one 256 super-block for K-quants, two blocks (or 4 float units) otherwise."""
+    return 256 if QUANT_INFO[qtype][1] == 256 else 64
+
+
+def random_rows(qtype: int, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    name, blk, bb = QUANT_INFO[qtype]
+    if name in KQ_FP16:
+        nb = rows * k // blk
+        blocks = rng.integers(0, 256, (nb, bb), dtype=np.uint8)
+        for off in KQ_FP16[name]:
+            v = rng.uniform(1e-3, 1e-1, nb) * rng.choice([-1.0, 1.0], nb)
+            blocks[:, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(nb, 2)
+        return blocks.reshape(rows, -1)
+    q = quantize(rng.standard_normal((rows, k)).astype(np.float32), gguf.GGMLQuantizationType(qtype))
+    return np.ascontiguousarray(q).view(np.uint8).reshape(rows, row_bytes(qtype, k))
+
+
+def dequant(qtype: int, w: np.ndarray) -> np.ndarray:
+    gt = gguf.GGMLQuantizationType(qtype)
+    return dequantize(w.reshape(-1), gt).astype(np.float64).reshape(w.shape[0], -1)
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, mag: np.ndarray) -> None:
+    assert np.isfinite(got).all()
+    err = np.abs(got.astype(np.float64) - want)
+    bound = 1e-5 * mag + 1e-6
+    assert (err <= bound).all(), (err / bound).max()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("ntok", [1, 3])
+def test_matmul(qtype, ntok):
+    """Against numpy and the njit twin; then accumulate=True adds into out. Five rows (not a multiple of any
+    block's rows); x and out have one row more than ntok, which must stay untouched."""
+    rng = np.random.default_rng(100 * qtype + ntok)
+    n, k = 5, k_of(qtype)
+    w = random_rows(qtype, n, k, rng)
+    wf = dequant(qtype, w)
+    x = rng.standard_normal((ntok + 1, k)).astype(np.float32)
+    want = x[:ntok].astype(np.float64) @ wf.T
+    mag = np.abs(x[:ntok]).astype(np.float64) @ np.abs(wf).T
+
+    twin = np.empty((ntok, n), np.float32)
+    matmul_f32(qtype, w, np.ascontiguousarray(x[:ntok]), twin)
+    assert_close(twin, want, mag)
+
+    dw, dx = cuda.to_device(w), cuda.to_device(x)
+    out = cuda.to_device(np.full((ntok + 1, n), SENTINEL, np.float32))
+    mm.matmul(qtype, dw, dx, out, ntok, 0)
+    got = out.copy_to_host()
+    assert_close(got[:ntok], want, mag)
+    assert_close(got[:ntok], twin.astype(np.float64), mag)
+    assert (got[ntok] == SENTINEL).all()
+
+    base = rng.standard_normal((ntok + 1, n)).astype(np.float32)
+    out = cuda.to_device(base)
+    mm.matmul(qtype, dw, dx, out, ntok, 0, accumulate=True)
+    got = out.copy_to_host()
+    assert_close(got[:ntok], base[:ntok] + want, mag + np.abs(base[:ntok]))
+    assert (got[ntok] == base[ntok]).all()
+
+
+@pytest.mark.parametrize("qtype", [pytest.param(Q4_K, id="Q4_K"), pytest.param(Q6_K, id="Q6_K")])
+def test_matmul_long_rows(qtype):
+    """Rows long enough for the wider thread split per row (and its column fold) of the matrix-vector kernel."""
+    rng = np.random.default_rng(7 + qtype)
+    n, k = 3, 2048
+    w = random_rows(qtype, n, k, rng)
+    wf = dequant(qtype, w)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    out = cuda.to_device(np.full((1, n), SENTINEL, np.float32))
+    mm.matmul(qtype, cuda.to_device(w), cuda.to_device(x), out, 1, 0)
+    assert_close(out.copy_to_host(), x.astype(np.float64) @ wf.T, np.abs(x).astype(np.float64) @ np.abs(wf).T)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_embed(qtype):
+    """Three tokens (one repeated) against the CPU twin dequant_rows and numpy; the fourth output row (beyond
+    ntok) stays untouched."""
+    rng = np.random.default_rng(200 + qtype)
+    vocab, k = 6, k_of(qtype)
+    table = random_rows(qtype, vocab, k, rng)
+    tokens = np.array([4, 0, 4, 1], np.int32)
+    ntok = 3
+    out = cuda.to_device(np.full((ntok + 1, k), SENTINEL, np.float32))
+    mm.embed(qtype, cuda.to_device(table), cuda.to_device(tokens), out, ntok, 0)
+    got = out.copy_to_host()
+
+    twin = np.empty((ntok, k), np.float32)
+    dequant_rows(qtype, table, tokens[:ntok].astype(np.int64), twin)
+    ref = dequant(qtype, table)[tokens[:ntok]]
+    np.testing.assert_array_equal(twin, ref.astype(np.float32))  # the twin is gguf-py bit for bit
+    assert np.isfinite(got[:ntok]).all()
+    bound = 1e-6 * np.abs(ref) + 1e-6 * np.abs(ref).max(axis=1, keepdims=True)
+    assert (np.abs(got[:ntok] - ref) <= bound).all()
+    assert (got[ntok] == SENTINEL).all()
+
+
+def test_embed_token_outside_table_leaves_row():
+    """A token id outside the table must not fault the context: its output row keeps what it held."""
+    rng = np.random.default_rng(9)
+    table = random_rows(Q4_K, 3, 256, rng)
+    tokens = cuda.to_device(np.array([2, 3, -1], np.int32))
+    out = cuda.to_device(np.full((3, 256), SENTINEL, np.float32))
+    mm.embed(Q4_K, cuda.to_device(table), tokens, out, 3, 0)
+    got = out.copy_to_host()
+    assert np.isfinite(got[0]).all() and (got[0] != SENTINEL).any()
+    assert (got[1:] == SENTINEL).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("x_per_entry,mat_off", [(False, 66), (True, 128)], ids=["shared-x-off66", "entry-x-off128"])
+def test_moe_slots(qtype, x_per_entry, mat_off):
+    """Six experts, three resident in slots (in another order than their ids), two tokens choosing three
+    experts each; entries of experts without a slot keep their sentinel. The matrix sits at a 2-aligned offset
+    (uint16 loads) or a 4-aligned one (uint32 loads where the type allows) inside slots padded with garbage."""
+    rng = np.random.default_rng(300 + qtype + mat_off)
+    n_exp, n, k = 6, 3, k_of(qtype)
+    rb = row_bytes(qtype, k)
+    slot_of = np.array([-1, 2, -1, 0, 1, -1], np.int32)
+    ids = np.array([[1, 0, 3], [5, 4, 1]], np.int32)  # entries 1 and 3 (experts 0 and 5) have no slot
+    ntok, kk = ids.shape
+    mats = [random_rows(qtype, n, k, rng) for _ in range(n_exp)]
+    slot_bytes = -(-(mat_off + n * rb + 10) // 4) * 4
+    slots = rng.integers(0, 256, (3, slot_bytes), dtype=np.uint8)
+    for e, s in enumerate(slot_of):
+        if s >= 0:
+            slots[s, mat_off:mat_off + n * rb] = mats[e].reshape(-1)
+    nent = ntok * kk
+    x = rng.standard_normal((nent if x_per_entry else ntok, k)).astype(np.float32)
+    out = cuda.to_device(np.full((nent, n), SENTINEL, np.float32))
+    mm.moe_slots(qtype, cuda.to_device(slots), mat_off, n, rb, cuda.to_device(slot_of), cuda.to_device(ids),
+                 cuda.to_device(x), x_per_entry, out, ntok, 0)
+    got = out.copy_to_host()
+    for t in range(ntok):
+        for j in range(kk):
+            i = t * kk + j
+            e = ids[t, j]
+            if slot_of[e] < 0:
+                assert (got[i] == SENTINEL).all(), (t, j)
+                continue
+            wf = dequant(qtype, mats[e])
+            xi = x[i if x_per_entry else t].astype(np.float64)
+            assert_close(got[i], wf @ xi, np.abs(wf) @ np.abs(xi))
+
+
+def test_bad_arguments_raise():
+    rng = np.random.default_rng(5)
+    w = cuda.to_device(random_rows(Q4_K, 2, 256, rng))
+    out = cuda.to_device(np.zeros((1, 2), np.float32))
+    with pytest.raises(StrataError, match="unsupported quant type"):
+        mm.matmul(99, w, cuda.to_device(np.zeros((1, 256), np.float32)), out, 1, 0)
+    with pytest.raises(StrataError, match="x must be float32"):
+        mm.matmul(Q4_K, w, cuda.to_device(np.zeros((1, 128), np.float32)), out, 1, 0)
+    with pytest.raises(StrataError, match="not whole blocks"):
+        mm.matmul(Q4_K, cuda.to_device(np.zeros((2, 100), np.uint8)), cuda.to_device(np.zeros((1, 256), np.float32)),
+                  out, 1, 0)
+
+
+def test_imports_without_gpu_or_simulator():
+    """The module compiles nothing at import: it loads with neither a GPU nor the simulator."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    code = "import strata_nb.cuda_kernels.matmul as m; assert not m.SIM; print('ok')"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr

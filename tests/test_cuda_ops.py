@@ -1,0 +1,267 @@
+"""cuda_kernels.ops / attention against their njit twins in cpu_kernels.ops (simulator here, unchanged on a GPU).
+
+Tiny shapes (D=64, 4 query heads of 16 dims over 2 kv heads, a 32-position cache, 8 experts choosing 2): the
+simulator runs each thread as a Python thread. Tolerances are float32 rounding with a different summation order.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from strata_nb.cpu_kernels import ops as cpu
+from strata_nb.cuda_kernels import attention as gatt
+from strata_nb.cuda_kernels import ops as gops
+
+D, H, HKV, HD, CTX, E, K = 64, 4, 2, 16, 32, 8, 2
+
+
+def rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def dev(a: np.ndarray):
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
+def pos_dev(p: int):
+    return dev(np.array([p], np.int32))
+
+
+@pytest.fixture(scope="module")
+def stream():
+    return cuda.stream()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_simulator_barriers():
+    """The simulator's block barrier polls its threads under the GIL: a short switch interval makes a barrier
+    ~10x cheaper (restored after this module)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(2e-4)
+    yield
+    sys.setswitchinterval(old)
+
+
+def test_rmsnorm_matches_cpu(stream) -> None:
+    r = rng(0)
+    x = r.standard_normal((5, D)).astype(np.float32) * 3
+    w = r.standard_normal(D).astype(np.float32)
+    want = np.empty_like(x)
+    cpu.rmsnorm(x, w, np.float32(1e-6), want)
+    dx, dout = dev(x), dev(np.full_like(x, 7.0))
+    gops.rmsnorm(dx, dev(w), 1e-6, dout, 4, stream)  # rows >= nrows untouched
+    got = dout.copy_to_host()
+    np.testing.assert_allclose(got[:4], want[:4], rtol=2e-6, atol=2e-6)
+    assert np.all(got[4] == 7.0)
+    # in place, per head (QK-norm): rows are T*heads of head_dim
+    xh = x.reshape(-1, HD).copy()
+    wh = w[:HD].copy()
+    want_h = np.empty_like(xh)
+    cpu.rmsnorm(xh, wh, np.float32(1e-5), want_h)
+    dxh = dev(xh)
+    gops.rmsnorm(dxh, dev(wh), 1e-5, dxh, xh.shape[0], stream)
+    np.testing.assert_allclose(dxh.copy_to_host(), want_h, rtol=2e-6, atol=2e-6)
+
+
+ROPE_CASES = {
+    # name: (n_rot, base, freq_scale, ext_factor, attn_factor, corr_lo, corr_hi, with freq factors)
+    "plain": (HD, 10000.0, 1.0, 0.0, 1.0, 0.0, 0.0, False),
+    "partial": (HD // 2, 500000.0, 1.0, 0.0, 1.0, 0.0, 0.0, False),
+    "yarn": (HD, 1000000.0, 0.25, 1.0, 1.0, 1.0, 5.0, False),
+    "freq_factors": (HD, 500000.0, 0.5, 0.0, 0.9, 0.0, 0.0, True),
+}
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_rope_matches_rope_tables(case: str, neox: bool, stream) -> None:
+    n_rot, base, fs, ext, attn, lo, hi, with_ff = ROPE_CASES[case]
+    r = rng(1)
+    ff = (1.0 + r.random(n_rot // 2) * 7.0) if with_ff else np.ones(n_rot // 2)
+    ntok, pos0 = 3, 29
+    x = r.standard_normal((ntok, H * HD)).astype(np.float32)
+    positions = np.arange(pos0, pos0 + ntok, dtype=np.float64)
+    cos, sin = cpu.rope_tables(positions, n_rot, base, fs, ext, attn, lo, hi, ff)
+    want = x.reshape(ntok, H, HD).copy()
+    cpu.rope_apply(want, cos, sin, neox)
+
+    mult, mscale = gops.rope_mult(n_rot, base, fs, ext, lo, hi, ff if with_ff else None, attn)
+    # the host multipliers reproduce rope_tables' angles (cos/sin at float32 precision)
+    th = positions[:, None] * mult[None, :]
+    np.testing.assert_allclose(np.cos(th) * mscale, cos, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(np.sin(th) * mscale, sin, rtol=0, atol=2e-6)
+
+    dx = dev(x)
+    gops.rope(dx, H, HD, n_rot, dev(mult), mscale, neox, pos_dev(pos0), ntok, stream)
+    got = dx.copy_to_host().reshape(ntok, H, HD)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    np.testing.assert_array_equal(got[:, :, n_rot:], x.reshape(ntok, H, HD)[:, :, n_rot:])
+
+
+def test_kv_append(stream) -> None:
+    r = rng(2)
+    ntok, pos0 = 3, 5
+    k = r.standard_normal((ntok, HKV * HD)).astype(np.float32)
+    v = r.standard_normal((ntok, HKV * HD)).astype(np.float32)
+    kc0 = r.standard_normal((HKV, CTX, HD)).astype(np.float16)
+    vc0 = r.standard_normal((HKV, CTX, HD)).astype(np.float16)
+    kc, vc = dev(kc0), dev(vc0)
+    gops.kv_append(dev(k), dev(v), kc, vc, pos_dev(pos0), ntok, stream)
+    # the twin on float32 caches, then rounded as the GPU cache stores it
+    want_k, want_v = kc0.astype(np.float32), vc0.astype(np.float32)
+    cpu.kv_write(want_k, want_v, k.reshape(ntok, HKV, HD), v.reshape(ntok, HKV, HD), pos0)
+    np.testing.assert_array_equal(kc.copy_to_host(), want_k.astype(np.float16))
+    np.testing.assert_array_equal(vc.copy_to_host(), want_v.astype(np.float16))
+
+
+def _cache(seed: int, n_head: int, n_kv: int, hd: int, fill: int):
+    r = rng(seed)
+    kc = np.zeros((n_kv, CTX, hd), np.float16)
+    vc = np.zeros((n_kv, CTX, hd), np.float16)
+    kc[:, :fill] = r.standard_normal((n_kv, fill, hd)) * 2
+    vc[:, :fill] = r.standard_normal((n_kv, fill, hd))
+    return kc, vc
+
+
+ATT_SHAPES = [(H, HKV, HD), (6, 2, 40)]  # the second: a group of 3 (padded to 4) and a head_dim not a multiple of 32
+
+
+@pytest.mark.parametrize("shape", ATT_SHAPES)
+def test_attention_decode(shape, stream) -> None:
+    nh, nkv, hd = shape
+    kc, vc = _cache(3, nh, nkv, hd, CTX)
+    scale = 1.0 / math.sqrt(hd)
+    n_split = 4
+    sm, sl, so = gatt.decode_scratch_shapes(nh, hd, n_split)
+    part_m, part_l, part_o = (cuda.device_array(s, np.float32) for s in (sm, sl, so))
+    dkc, dvc = dev(kc), dev(vc)
+    r = rng(4)
+    pos_d = pos_dev(0)
+    # positions: a single key, fewer keys than chunks, chunk boundaries, the full cache; one graph-like setup
+    for pos in (0, 2, 13, CTX - 1):
+        q = r.standard_normal((1, nh * hd)).astype(np.float32)
+        pos_d.copy_to_device(np.array([pos], np.int32))
+        out = cuda.device_array((1, nh * hd), np.float32)
+        gatt.attention_decode(dev(q), dkc, dvc, pos_d, scale, out, part_m, part_l, part_o, n_split, stream)
+        want = np.empty((1, nh, hd), np.float32)
+        cpu.attention(q.reshape(1, nh, hd), kc.astype(np.float32), vc.astype(np.float32), pos, np.float32(scale),
+                      want)
+        np.testing.assert_allclose(out.copy_to_host().reshape(1, nh, hd), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", ATT_SHAPES[:1])
+def test_attention_prompt(shape, stream) -> None:
+    nh, nkv, hd = shape
+    ntok, pos0 = 5, 4
+    kc, vc = _cache(5, nh, nkv, hd, pos0 + ntok)
+    q = rng(6).standard_normal((ntok, nh * hd)).astype(np.float32)
+    scale = 1.0 / math.sqrt(hd)
+    out = cuda.device_array((ntok + 1, nh * hd), np.float32)  # a spare row: only ntok are written
+    gatt.attention_prompt(dev(q), dev(kc), dev(vc), pos_dev(pos0), scale, out, ntok, stream)
+    want = np.empty((ntok, nh, hd), np.float32)
+    cpu.attention(q.reshape(ntok, nh, hd), kc.astype(np.float32), vc.astype(np.float32), pos0, np.float32(scale),
+                  want)
+    np.testing.assert_allclose(out.copy_to_host()[:ntok].reshape(ntok, nh, hd), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("renorm,scale", [(True, 1.0), (False, 2.5)])
+def test_route_topk(renorm: bool, scale: float, stream) -> None:
+    r = rng(7)
+    ntok = 4
+    logits = (r.standard_normal((ntok, E)) * 2).astype(np.float32)
+    logits[3, 5] = logits[3, 2]  # an exact tie: the lower id ranks first
+    ids_w = np.empty((ntok, K), np.int64)
+    wts_w = np.empty((ntok, K), np.float32)
+    cpu.route_softmax_topk(logits, K, renorm, np.float32(scale), ids_w, wts_w)
+    ids, wts = cuda.device_array((ntok, K), np.int32), cuda.device_array((ntok, K), np.float32)
+    gops.route_topk(dev(logits), K, renorm, scale, ids, wts, ntok, stream)
+    np.testing.assert_array_equal(ids.copy_to_host(), ids_w)
+    np.testing.assert_allclose(wts.copy_to_host(), wts_w, rtol=2e-6, atol=1e-7)
+    # the tie case really ranks 2 before 5 when both are chosen
+    tie = np.zeros((1, E), np.float32)
+    tie[0, [5, 2]] = 1.0
+    gops.route_topk(dev(tie), K, renorm, scale, ids, wts, 1, stream)
+    assert ids.copy_to_host()[0].tolist() == [2, 5]
+
+
+def test_swiglu_and_add(stream) -> None:
+    r = rng(8)
+    g = (r.standard_normal((3, 40)) * 4).astype(np.float32)
+    u = r.standard_normal((3, 40)).astype(np.float32)
+    want = np.empty_like(g)
+    cpu.silu_mul(g, u, want)
+    out = dev(np.zeros_like(g))
+    gops.swiglu(dev(g), dev(u), out, 2, stream)
+    got = out.copy_to_host()
+    np.testing.assert_allclose(got[:2], want[:2], rtol=2e-6, atol=1e-6)
+    assert np.all(got[2] == 0)
+    x = r.standard_normal((3, D)).astype(np.float32)
+    y = r.standard_normal((3, D)).astype(np.float32)
+    dx = dev(x)
+    gops.add(dx, dev(y), 2, stream)
+    np.testing.assert_array_equal(dx.copy_to_host(), np.concatenate([x[:2] + y[:2], x[2:]]))
+    b = r.standard_normal(D).astype(np.float32)
+    dx = dev(x)
+    gops.add_bias(dx, dev(b), 2, stream)
+    np.testing.assert_array_equal(dx.copy_to_host(), np.concatenate([x[:2] + b, x[2:]]))
+
+
+def test_moe_combine(stream) -> None:
+    r = rng(9)
+    ntok = 3
+    ids = r.choice(E, size=(ntok, K), replace=True).astype(np.int32)
+    ids[0] = [1, 6]
+    wts = r.random((ntok, K)).astype(np.float32)
+    y = r.standard_normal((ntok * K, D)).astype(np.float32)
+    out0 = r.standard_normal((ntok, D)).astype(np.float32)
+    slot_of = np.full(E, -1, np.int32)
+    slot_of[[1, 2, 3, 5]] = [0, 3, 1, 2]  # experts 0, 4, 6, 7 are not resident: skipped
+    resident = [(t, j) for t in range(ntok) for j in range(K) if slot_of[ids[t, j]] >= 0]
+    want = out0.copy()
+    # the twin over the resident entries, in (token, slot) order
+    rows = np.array([t * K + j for t, j in resident], np.int64)
+    cpu.moe_combine(y[rows], wts, np.array([t for t, _ in resident], np.int64),
+                    np.array([j for _, j in resident], np.int64), want)
+    dout = dev(out0)
+    gops.moe_combine(dout, dev(y), dev(wts), dev(ids), dev(slot_of), ntok, stream)
+    np.testing.assert_allclose(dout.copy_to_host(), want, rtol=1e-6, atol=1e-6)
+    assert not np.array_equal(want[0], out0[0] + wts[0, 0] * y[0] + wts[0, 1] * y[1])  # expert 6 really skipped
+
+
+def test_sigmoid_gate(stream) -> None:
+    r = rng(10)
+    ntok = 3
+    h = r.standard_normal((ntok, 40)).astype(np.float32)
+    x = r.standard_normal((ntok, D)).astype(np.float32)
+    g = (r.standard_normal(D) * 0.3).astype(np.float32)
+    dh = dev(h)
+    gops.sigmoid_gate(dh, dev(x), dev(g), 2, stream)
+    gate = 1.0 / (1.0 + np.exp(-(x.astype(np.float64) @ g.astype(np.float64))))
+    want = h * gate[:, None].astype(np.float32)
+    got = dh.copy_to_host()
+    np.testing.assert_allclose(got[:2], want[:2], rtol=2e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[2], h[2])
+
+
+def test_attention_decode_shuffle_butterfly(monkeypatch, stream) -> None:
+    """The GPU's shuffle butterfly (gp = 4: two halving steps) with the shuffles emulated, and two warps merged
+    per block; on a GPU the real shuffles and its own warp count."""
+    from numba import config
+    if config.ENABLE_CUDASIM:
+        monkeypatch.setattr(gatt, "_SIM_EXCHANGE", "emul")
+        monkeypatch.setattr(gatt, "_SIM_WARPS", 2)
+    nh, nkv, hd = 8, 2, 16
+    kc, vc = _cache(11, nh, nkv, hd, 6)
+    scale = 1.0 / math.sqrt(hd)
+    n_split, pos = 2, 5
+    part_m, part_l, part_o = (cuda.device_array(s, np.float32) for s in gatt.decode_scratch_shapes(nh, hd, n_split))
+    q = rng(12).standard_normal((1, nh * hd)).astype(np.float32)
+    out = cuda.device_array((1, nh * hd), np.float32)
+    gatt.attention_decode(dev(q), dev(kc), dev(vc), pos_dev(pos), scale, out, part_m, part_l, part_o, n_split, stream)
+    want = np.empty((1, nh, hd), np.float32)
+    cpu.attention(q.reshape(1, nh, hd), kc.astype(np.float32), vc.astype(np.float32), pos, np.float32(scale), want)
+    np.testing.assert_allclose(out.copy_to_host().reshape(1, nh, hd), want, rtol=1e-5, atol=1e-5)

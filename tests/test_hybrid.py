@@ -1,0 +1,196 @@
+"""The hybrid engine (GPU dense layers + VRAM expert slots + CPU expert pool behind the doorbell) against the CPU
+engine on the same file. Without a GPU this runs in numba's CUDA simulator (tests/conftest.py), on the 2-layer
+"micro" model (hidden 64, Q8_0: the simulator interprets every GPU thread in Python); on the GPU machine the same
+tests run on the device, plus one on the tiny Q4_K_M model (every quant type of a Q4_K_M file).
+
+Tolerances: the GPU keeps the KV cache in float16 and sums in another order, so logits agree with the CPU
+engine's float32 reference within 2e-3 of the logits' spread (max abs difference / std), and the top token agrees.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from strata_nb.api import Engine, gpu_fixed_bytes
+from strata_nb.errors import StrataError
+from strata_nb.experts.vram_cache import slot_layout
+from strata_nb.plan import GB, make_gpu_plan
+from strata_nb.runtime.cuda_rt import SIM
+from strata_nb.runtime.sampler import SamplerConfig
+from strata_nb.synth import write_synthetic
+
+TOL = 2e-3
+PROMPT = [5, 17, 101, 3, 250, 42, 7]
+CTX = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_simulator_barriers():
+    """The simulator's block barriers poll under the GIL: a short switch interval makes them ~10x cheaper."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(2e-4)
+    yield
+    sys.setswitchinterval(old)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hybrid") / "micro.gguf"
+    write_synthetic(path, "micro", quant="Q8_0", seed=5)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """CPU engine, float32 reference kernels: logits of the prompt, then of 3 greedy decode steps."""
+    eng = Engine(model, device="cpu", n_ctx=CTX, fast=False)
+    res = eng.generate(PROMPT, 3, SamplerConfig(temperature=0.0), keep_logits=True)
+    return np.concatenate(res.logits), res.tokens
+
+
+def budget_for(path, slots_per_layer: int) -> float:
+    """A --vram-budget giving this many expert slots per MoE layer."""
+    from strata_nb.api import open_model
+    from strata_nb.experts.source import open_experts
+
+    g, spec = open_model(path)
+    src = open_experts(g)
+    per_layer = sum(slot_layout(src, l).slot_bytes for l in src.layers)
+    return gpu_fixed_bytes(path, CTX) + slots_per_layer * per_layer + per_layer // 2
+
+
+def close(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / b.std())
+
+
+@pytest.mark.parametrize("slots", [0, 2, 4])  # no expert, half, every expert in VRAM
+def test_hybrid_logits_match_cpu_engine(model, reference, slots):
+    ref, toks = reference
+    eng = Engine(model, device="cuda", n_ctx=CTX, fast=False, vram_budget=budget_for(model, slots))
+    try:
+        assert set(eng.gpu_plan.slots.values()) == {slots}
+        res = eng.generate(PROMPT, 3, SamplerConfig(temperature=0.0), keep_logits=True)
+        got = np.concatenate(res.logits)
+        assert got.shape == ref.shape
+        assert close(got, ref) < TOL
+        assert res.tokens == toks
+        assert (got.argmax(1) == ref.argmax(1)).all()
+    finally:
+        eng.close()
+
+
+@pytest.mark.skipif(SIM, reason="a real GPU only: the Q4_K_M models are too slow for the simulator")
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "olmoe", "mixtral"])
+def test_hybrid_architectures_q4_k_m_match_cpu(tmp_path, arch):
+    """Every quant type of a Q4_K_M file and every architecture trait (QKV bias, gated shared expert, full
+    QK-norm, normal rope with YaRN) through the GPU kernels, half the experts in VRAM; the int8 fast CPU pool
+    too (1e-2: the CPU's int8 activations for the misses)."""
+    path = tmp_path / "tiny.gguf"
+    write_synthetic(path, "tiny", arch=arch, quant="Q4_K_M", seed=3)
+    prompt = list(range(3, 60, 3))
+    ref = Engine(path, device="cpu", n_ctx=CTX, fast=False).logits(prompt)
+    for fast, tol in ((False, TOL), (True, 1e-2)):
+        eng = Engine(path, device="cuda", n_ctx=CTX, fast=fast, vram_budget=budget_for(path, 4))
+        try:
+            got = eng.logits(prompt)
+            assert close(got, ref) < tol, fast
+            assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9
+        finally:
+            eng.close()
+
+
+def test_device_sampler_gives_the_cpu_engines_tokens(model):
+    """Sampling on the device (only the id comes back) draws what the host sampler draws from the same seed."""
+    cfg = dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, repeat_penalty=1.1, seed=1234)
+    cpu = Engine(model, device="cpu", n_ctx=CTX, fast=False)
+    want = cpu.generate(PROMPT, 6, SamplerConfig(**cfg)).tokens
+    eng = Engine(model, device="cuda", n_ctx=CTX, fast=False, vram_budget=budget_for(model, 2))
+    try:
+        res = eng.generate(PROMPT, 6, SamplerConfig(**cfg))
+        assert res.tokens == want
+        h = res.hybrid
+        assert h.tokens == res.decode_steps == 5
+        assert h.hits + h.misses == 5 * 2 * 2  # decode tokens x MoE layers x top-k
+        assert h.routed.sum() == h.hits + h.misses
+        assert abs(h.wall_s - res.decode_s) < 0.25 * res.decode_s  # the breakdown accounts for the decode time
+    finally:
+        eng.close()
+
+
+def test_vram_cache_slots_hold_their_experts_after_admission_and_swaps(model, reference):
+    """Admission on first use and adaptive swaps keep the device table true: every slot the table names holds
+    exactly that expert's bytes, and the logits stay those of the CPU engine."""
+    ref, _ = reference
+    eng = Engine(model, device="cuda", n_ctx=CTX, fast=False, vram_budget=budget_for(model, 1), adapt_every=1)
+    try:
+        be = eng.backend
+        be.cache.max_swaps = 8
+        res = eng.generate(PROMPT, 3, SamplerConfig(temperature=0.0), keep_logits=True)
+        assert close(np.concatenate(res.logits), ref) < TOL
+        eng.generate(PROMPT, 8, SamplerConfig(temperature=1.0, seed=3))
+        cache = be.cache
+
+        def check():
+            table = cache.table.copy_to_host()
+            assert (table == cache.host_table).all()
+            for l, buf in cache.bufs.items():
+                host = buf.copy_to_host()
+                for e in np.flatnonzero(table[l] >= 0):
+                    s = table[l, e]
+                    for kind, m in cache.layouts[l].mats.items():
+                        want = cache.src.rows(l, kind, e).reshape(-1)
+                        assert (host[s, m.offset:m.offset + m.nbytes] == want).all()
+
+        be._thread.call(check)
+        assert cache.stats.admitted > 0
+        assert cache.stats.swaps > 0
+    finally:
+        eng.close()
+
+
+def test_a_gpu_that_never_publishes_is_an_error_not_a_hang(model, monkeypatch):
+    from strata_nb.cuda_kernels import mailbox
+
+    eng = Engine(model, device="cuda", n_ctx=CTX, vram_budget=budget_for(model, 0), gpu_timeout_s=0.3)
+    try:
+        monkeypatch.setattr(mailbox, "ring", lambda counter, seq, stream: None)
+        with pytest.raises(StrataError, match="did not publish"):
+            eng.logits(PROMPT[:3])
+    finally:
+        eng.close()
+
+
+def test_gpu_plan_refuses_what_the_device_cannot_hold():
+    kw = dict(free=10 * GB, total=12 * GB, dense=2 * GB, kv=1 * GB, scratch=GB // 2,
+              experts=40 * GB, slot_bytes={0: 10 << 20, 1: 10 << 20}, n_expert=128)
+    with pytest.raises(StrataError, match="more than the GPU has free"):
+        make_gpu_plan(**kw, vram_budget=11 * GB)
+    with pytest.raises(StrataError, match="before any expert slot"):
+        make_gpu_plan(**kw, vram_budget=3 * GB)
+    p = make_gpu_plan(**kw, vram_budget=5 * GB)
+    per = (5 * GB - p.fixed) // (20 << 20)
+    assert p.slots == {0: per, 1: per} and p.slot_total <= 5 * GB - p.fixed
+    auto = make_gpu_plan(**kw)
+    assert auto.budget < kw["free"] and auto.fixed + auto.slot_total <= auto.budget
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "strata_nb.cli.main", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_cli_device_choice_and_vram_plan(model):
+    r = _cli("plan", "-m", str(model), "--ctx", str(CTX), "--device", "cpu", "--vram-budget", "4")
+    assert r.returncode != 0 and "needs the hybrid GPU engine" in r.stderr
+    r = _cli("plan", "-m", str(model), "--ctx", str(CTX), "--device", "cuda", "--vram-budget",
+             str(budget_for(model, 2) / GB))
+    assert r.returncode == 0, r.stderr
+    assert "expert slots" in r.stdout and "4 of 8 experts (50%)" in r.stdout
+    r = _cli("generate", "-m", str(model), "--ctx", str(CTX), "--device", "cuda", "--tokens",
+             ",".join(map(str, PROMPT)), "-n", "3", "--stats", "--vram-budget", str(budget_for(model, 1) / GB))
+    assert r.returncode == 0, r.stderr
+    for want in ("device: hybrid GPU engine", "expert slots", "token time", "expert hits", "VRAM cache"):
+        assert want in r.stderr, want
