@@ -164,10 +164,11 @@ def print_stats(eng, res) -> None:
     e(f"prompt          {res.prompt_tokens:5d} tokens in {res.prompt_s * 1000:8.1f} ms = {res.prompt_tps:8.2f} tok/s",
       err=True)
     if res.decode_steps:
-        bpt = res.bytes_per_token
+        gpu_eb = res.hybrid.hit_bytes if res.hybrid is not None else 0  # experts computed from VRAM slots
+        bpt = res.bytes_per_token + gpu_eb / res.decode_steps
         e(f"decode          {res.decode_steps:5d} tokens in {res.decode_s * 1000:8.1f} ms = {res.decode_tps:8.2f} tok/s"
           f" (wall clock over whole tokens)", err=True)
-        e(f"weights/token   {_gb(bpt)} read ({_gb(res.expert_bytes / res.decode_steps)} routed experts, "
+        e(f"weights/token   {_gb(bpt)} read ({_gb((res.expert_bytes + gpu_eb) / res.decode_steps)} routed experts, "
           f"{_gb(res.dense_bytes / res.decode_steps)} dense) -> {bpt * res.decode_tps / 1e9:.2f} GB/s", err=True)
         other = res.decode_s - res.expert_s
         e(f"decode time     expert FFNs {res.expert_s * 1000:8.1f} ms ({100 * res.expert_s / res.decode_s:4.1f}%), "
@@ -177,7 +178,7 @@ def print_stats(eng, res) -> None:
         if io is not None and n and eng.store is not None and eng.store.tiered:
             for i, line in enumerate(io_lines(io, n, per="token" if label.startswith("decode") else "prompt")):
                 e(f"{label if i == 0 else '':15s} {line}", err=True)
-    if res.hybrid is not None and res.decode_steps:
+    if res.hybrid is not None and res.hybrid.tokens:  # (--dump-logits decodes through the logits path)
         for line in hybrid_lines(eng, res):
             e(line, err=True)
     e(f"stopped by      {res.stopped_by} after {len(res.tokens)} generated tokens", err=True)

@@ -12,6 +12,7 @@ import math
 import numpy as np
 from numba import config, cuda
 
+from strata_nb.cuda_kernels.block import block_max, block_sum
 from strata_nb.errors import StrataError
 
 _MAX_HALF = 512  # rope: n_rot / 2 at most (shared cos/sin tables)
@@ -41,41 +42,6 @@ def _launch_rows(nrows: int, threads: int = _RED) -> tuple[int, int]:
     return max(1, min(nrows, 65535)), threads
 
 
-# -- block reductions (shared memory; blockDim must be a power of two <= _RED) --------------------------------------
-
-@cuda.jit(device=True)
-def _block_sum(buf, v):
-    """Sum of v over the block, returned to every thread (buf: shared f32[>= blockDim])."""
-    tid = cuda.threadIdx.x
-    buf[tid] = v
-    cuda.syncthreads()
-    s = cuda.blockDim.x // 2
-    while s > 0:
-        if tid < s:
-            buf[tid] += buf[tid + s]
-        cuda.syncthreads()
-        s //= 2
-    r = buf[0]
-    cuda.syncthreads()  # buf is free again once every thread has read the result
-    return r
-
-
-@cuda.jit(device=True)
-def _block_max(buf, v):
-    tid = cuda.threadIdx.x
-    buf[tid] = v
-    cuda.syncthreads()
-    s = cuda.blockDim.x // 2
-    while s > 0:
-        if tid < s and buf[tid + s] > buf[tid]:
-            buf[tid] = buf[tid + s]
-        cuda.syncthreads()
-        s //= 2
-    r = buf[0]
-    cuda.syncthreads()
-    return r
-
-
 # -- rmsnorm --------------------------------------------------------------------------------------------------------
 
 @cuda.jit(cache=True)
@@ -89,7 +55,7 @@ def _rmsnorm_k(x, w, eps, out, nrows):
         for i in range(tid, d, nt):
             v = x[r, i]
             ss += v * v
-        tot = _block_sum(buf, ss)
+        tot = block_sum(buf, ss)
         # as the CPU twin: the mean and eps in float64, the scale in float32
         inv = np.float32(1.0) / np.float32(math.sqrt(np.float64(tot) / d + eps))
         for i in range(tid, d, nt):
@@ -222,13 +188,13 @@ def _route_topk_k(logits, k, renorm, scale, ids, wts, ntok):
         m = -np.inf
         for e in range(tid, ne, nt):
             m = max(m, logits[t, e])
-        m = _block_max(buf, np.float32(m))
+        m = block_max(buf, np.float32(m))
         s = np.float32(0.0)
         for e in range(tid, ne, nt):
             pe = np.float32(math.exp(logits[t, e] - m))
             p[e] = pe
             s += pe
-        tot = _block_sum(buf, s)
+        tot = block_sum(buf, s)
         for e in range(tid, ne, nt):
             p[e] = p[e] / tot
         cuda.syncthreads()
@@ -359,7 +325,7 @@ def _sigmoid_gate_k(h, x, g, ntok):
         s = np.float32(0.0)
         for i in range(tid, kdim, nt):
             s += x[t, i] * g[i]
-        dot = _block_sum(buf, s)
+        dot = block_sum(buf, s)
         gate = np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(-dot)))
         for i in range(tid, d, nt):
             h[t, i] *= gate

@@ -33,6 +33,8 @@ import math
 import numpy as np
 from numba import config, cuda
 
+from strata_nb.cuda_kernels.block import block_max, block_min, block_sum
+
 NB = 1024  # histogram buckets
 MAX_THREADS = 1024  # the reduction buffers hold one value per thread
 GPU_THREADS = 1024  # block size on a GPU (registers capped at 64 so that 1024 threads fit on an SM)
@@ -211,71 +213,7 @@ def _enc_width(b):
     return np.int64(1) << (b // 32 - 1)
 
 
-# -- block primitives (blockDim a power of two <= MAX_THREADS) ------------------------------------------------------
-
-@cuda.jit(device=True)
-def _bmax_i(buf, v):
-    tid = cuda.threadIdx.x
-    buf[tid] = v
-    cuda.syncthreads()
-    s = cuda.blockDim.x // 2
-    while s > 0:
-        if tid < s and buf[tid + s] > buf[tid]:
-            buf[tid] = buf[tid + s]
-        cuda.syncthreads()
-        s //= 2
-    r = buf[0]
-    cuda.syncthreads()
-    return r
-
-
-@cuda.jit(device=True)
-def _bmin_i(buf, v):
-    tid = cuda.threadIdx.x
-    buf[tid] = v
-    cuda.syncthreads()
-    s = cuda.blockDim.x // 2
-    while s > 0:
-        if tid < s and buf[tid + s] < buf[tid]:
-            buf[tid] = buf[tid + s]
-        cuda.syncthreads()
-        s //= 2
-    r = buf[0]
-    cuda.syncthreads()
-    return r
-
-
-@cuda.jit(device=True)
-def _bsum_i(buf, v):
-    tid = cuda.threadIdx.x
-    buf[tid] = v
-    cuda.syncthreads()
-    s = cuda.blockDim.x // 2
-    while s > 0:
-        if tid < s:
-            buf[tid] += buf[tid + s]
-        cuda.syncthreads()
-        s //= 2
-    r = buf[0]
-    cuda.syncthreads()
-    return r
-
-
-@cuda.jit(device=True)
-def _bsum_f(buf, v):
-    tid = cuda.threadIdx.x
-    buf[tid] = v
-    cuda.syncthreads()
-    s = cuda.blockDim.x // 2
-    while s > 0:
-        if tid < s:
-            buf[tid] += buf[tid + s]
-        cuda.syncthreads()
-        s //= 2
-    r = buf[0]
-    cuda.syncthreads()
-    return r
-
+# -- block scan (the reductions are in block.py; blockDim a power of two <= MAX_THREADS) -----------------------------
 
 @cuda.jit(device=True)
 def _bscan_i(buf, v):
@@ -340,7 +278,7 @@ def _count_below(arr, n, target, strict, redi):
     for j in range(cuda.threadIdx.x, n, cuda.blockDim.x):
         if arr[j] < target or (not strict and arr[j] == target):
             c += 1
-    return _bsum_i(redi, c)
+    return block_sum(redi, c)
 
 
 @cuda.jit(device=True)
@@ -362,7 +300,7 @@ def _crossing(mass, acc, target, ge, redf, redi, sf):
             found = b
             break
         a = a2
-    fb = _bmin_i(redi, found)
+    fb = block_min(redi, found)
     if found == fb and fb < NB:
         sf[0] = a
     cuda.syncthreads()
@@ -467,7 +405,7 @@ def _build(cap: int, nthreads: int):
                 d = kmax - _key(v)
                 if d == lo and _in_bound(d, i, bd, bid):
                     best = min(best, np.int64(i))
-            return True, lo, _bmin_i(redi, best)
+            return True, lo, block_min(redi, best)
         base = np.int64(0)
         for start in range(0, nv, nt):  # ordered scan: the block counts the ties chunk by chunk, in id order
             i = start + tid
@@ -498,7 +436,7 @@ def _build(cap: int, nthreads: int):
             if _in_bound(d, i, bd, bid):
                 s += mass_of(mode, v, mx, temp)
                 c += 1
-        return _bsum_f(redf, s), _bsum_i(redi, c)
+        return block_sum(redf, s), block_sum(redi, c)
 
     # a block of 1024 threads has 64 registers each: cap them (the spills are in the cold paths)
     jit = cuda.jit(max_registers=65536 // nthreads) if nthreads > 256 and not config.ENABLE_CUDASIM else cuda.jit
@@ -535,8 +473,8 @@ def _build(cap: int, nthreads: int):
             best, bad = _p_max(v5, i + 5 * nt, nv, best, bad)
             best, bad = _p_max(v6, i + 6 * nt, nv, best, bad)
             best, bad = _p_max(v7, i + 7 * nt, nv, best, bad)
-        best = _bmax_i(redi, best)
-        bad = _bmax_i(redi, bad)
+        best = block_max(redi, best)
+        bad = block_max(redi, bad)
         kmax = best >> 31
         amax = I31 - (best & I31)
         mx32 = _penalized(logits, cnt, amax, pen)
@@ -571,7 +509,7 @@ def _build(cap: int, nthreads: int):
                 zs += _p_hist(v6, i + 6 * nt, nv, kmax, hc, need_z, mx)
                 zs += _p_hist(v7, i + 7 * nt, nv, kmax, hc, need_z, mx)
             cuda.syncthreads()
-            z = _bsum_f(redf, zs) if need_z else 0.0
+            z = block_sum(redf, zs) if need_z else 0.0
             # the prefix (d <= dlim) that holds every kept candidate
             dlim = np.int64(DALL - 1)
             by_minp = False  # the prefix is cut by min-p: a top-p crossing past it is then irrelevant
@@ -601,7 +539,7 @@ def _build(cap: int, nthreads: int):
                 for j in range(tid, NB, nt):
                     if _enc_lo(j) + _enc_width(j) - 1 <= dlim:
                         c += hc[j]
-            c = _bsum_i(redi, c)
+            c = block_sum(redi, c)
 
             # 3. fast path: gather d <= dlim, sort, finish on the sorted list
             fast = False
@@ -666,7 +604,7 @@ def _build(cap: int, nthreads: int):
                         for j in range(tid, n, nt):
                             if _penalized(logits, cnt, I31 - (buf[j] & I31), pen) >= thr:
                                 c2 += 1
-                        n = min(n, _bsum_i(redi, c2))
+                        n = min(n, block_sum(redi, c2))
                     if fast:
                         for j in range(tid, cap, nt):
                             arr[j] = 0.0
