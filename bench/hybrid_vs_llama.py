@@ -156,47 +156,18 @@ def model_bytes(path: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- bandwidth kernels
-def _host_sum_kernel():
-    from numba import njit, prange
-
-    @njit(parallel=True, cache=True)
-    def sum_chunks(a, nchunk):
-        # Each chunk a 1-D view, so the inner loop vectorizes (an integer sum needs no fastmath to vectorize;
-        # a float64 sum without it would not). nchunk a multiple of the threads: no thread reads more.
-        step = (a.shape[0] + nchunk - 1) // nchunk
-        part = np.zeros(nchunk, np.uint64)
-        for c in prange(nchunk):
-            chunk = a[c * step:min(a.shape[0], (c + 1) * step)]
-            s = np.uint64(0)
-            for i in range(chunk.shape[0]):
-                s += chunk[i]
-            part[c] = s
-        return part.sum()
-
-    return sum_chunks
-
-
 def host_membw(gib: float, threads: int, sweeps: int = 5) -> dict:
     import numba
 
-    from strata_nb.cpu_kernels.membw import read_sweep
+    from strata_nb.cpu_kernels.membw import read_sweep, sum_u64
 
     threads = min(threads, numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(threads)
-    sum_chunks = _host_sum_kernel()
     a = np.ones(max(1, int(gib * 2**30) // 8), np.uint64)  # touched: the pages exist before timing
-    if int(sum_chunks(a[:4096], 8 * threads)) != 4096:
+    if int(sum_u64(a, 8 * threads)) != a.shape[0]:  # also the warm-up (compile) run
         raise RuntimeError("host read kernel: wrong sum")
-    gbs = []
-    for _ in range(sweeps):
-        t0 = time.perf_counter()
-        s = sum_chunks(a, 8 * threads)
-        gbs.append(a.nbytes / (time.perf_counter() - t0) / 1e9)
-    if int(s) != a.shape[0]:
-        raise RuntimeError("host read kernel: wrong sum")
-    ref = [read_sweep(a) for _ in range(sweeps)]  # strata_nb's own probe: 64 chunks (uneven over 15 threads)
-    return {"threads": threads, "gib": gib, "gbs": gbs, "best_gbs": max(gbs), "median_gbs": _med(gbs),
-            "membw_read_sweep_gbs": ref}
+    gbs = [read_sweep(a, 8 * threads) for _ in range(sweeps)]  # 8 chunks per thread: equal work
+    return {"threads": threads, "gib": gib, "gbs": gbs, "best_gbs": max(gbs), "median_gbs": _med(gbs)}
 
 
 def gpu_bandwidth(gib: float, reps: int = 10) -> dict:
@@ -328,10 +299,9 @@ def strata_child(a) -> dict:
                distinct_tokens=len(set(res.tokens)), n_tokens=len(res.tokens), stopped_by=res.stopped_by)
     hy = getattr(res, "hybrid", None)
     out["hybrid"] = _jsonable(dataclasses.asdict(hy)) if hy is not None else None
-    if out["hybrid"] is not None and out["hybrid"].get("slots") is None and want is not None:
-        # Older engines do not report the slots: the plan gives every MoE layer the same number, the one asked.
-        out["hybrid"]["slots"] = [min(want, spec.n_expert)] * spec.n_layer
-        out["slots_from_plan"] = True
+    if out["hybrid"] is not None:
+        out["hybrid"]["cpu_expert_s"] = res.expert_s  # decode time inside the CPU pool's expert kernels
+        out["hybrid"]["slots"] = [eng.gpu_plan.slots.get(l, 0) for l in range(spec.n_layer)]
     if a.save_profile:
         eng.save_profile(a.save_profile)
         out["saved_profile"] = a.save_profile
@@ -351,10 +321,7 @@ def derive(r: dict) -> dict:
         d["hit_rate"] = hits / (hits + misses) if hits + misses else float("nan")
         d["hit_rate_bytes"] = hb / (hb + mb) if hb + mb else float("nan")
         d["expert_bytes_per_token"] = (hb + mb) / steps if steps else float("nan")
-        # Time in the CPU expert kernels; engines that do not report it: the CPU pool's phase time (cpu_s)
-        ce = hy.get("cpu_expert_s")
-        d["cpu_time_field"] = "cpu_expert_s" if ce is not None else "cpu_s"
-        ce = ce if ce is not None else hy.get("cpu_s", 0.0)
+        ce = hy.get("cpu_expert_s")  # time in the CPU expert kernels
         d["cpu_expert_gbs"] = mb / ce / 1e9 if ce and ce > 0 and mb else float("nan")
         for k in ("graph_s", "wait_s", "cpu_s", "host_s"):
             d[k.replace("_s", "_ms_per_token")] = 1000 * hy.get(k, float("nan")) / steps if steps else float("nan")
@@ -433,8 +400,7 @@ def report(meta: dict, runs: list[dict]) -> str:
     if host.get("best_gbs"):
         lines.append(f"Host RAM read bandwidth, {host['threads']} threads: {ram:.1f} GB/s (best of "
                      f"{len(host['gbs'])}; median {host['median_gbs']:.1f}; vectorized numba sum of "
-                     f"{host['gib']:g} GiB uint64 in {8 * host['threads']} chunks); strata_nb.cpu_kernels.membw "
-                     f"read_sweep (64 chunks) {max(host['membw_read_sweep_gbs']):.1f} GB/s.")
+                     f"{host['gib']:g} GiB uint64 in {8 * host['threads']} chunks, strata_nb.cpu_kernels.membw).")
     if mb:
         lines.append(f"Bytes a decode token reads (from the file): dense {mb['dense_bytes_per_token'] / 1e6:.0f} MB "
                      f"+ experts {mb['expert_bytes_per_token'] / 1e6:.0f} MB = {bpt / 1e6:.0f} MB"
@@ -459,11 +425,6 @@ def report(meta: dict, runs: list[dict]) -> str:
             f"{_fmt(_med([r['prompt_tps'] for r in st]))} | {_fmt(s_tg)} | {ratio} | {_pct(hit)} ({_pct(best)}) | "
             f"{_fmt(ce)}" + (f" ({100 * ce / ram:.0f}%)" if _ok(ce) and _ok(ram) else "") + f" | {phases} |")
     st_all = [r for r in runs if r["arm"] == "strata-nb" and not r.get("profile_run")]
-    if any(derive(r).get("cpu_time_field") == "cpu_s" for r in st_all):
-        lines += ["", "CPU experts GB/s: miss bytes over the CPU pool's phase time (cpu_s; this engine reports no "
-                      "cpu_expert_s, so the figure includes the pool's waits and bookkeeping)."]
-    if any(r.get("slots_from_plan") for r in st_all):
-        lines += ["", "VRAM slots per layer taken from the budget asked (this engine's stats report none)."]
     floor = by("strata-nb", 1.0)
     if floor and _ok(gpu_bw) and _ok(bpt):
         tg = _med([r["decode_tps"] for r in floor])

@@ -8,9 +8,9 @@ from numba import njit, prange
 
 
 @njit(cache=True, parallel=True)
-def _sum_u64(a):
-    """Sum of a uint64 array in 64 prange chunks; each chunk a 1-D view, so the inner loop vectorizes."""
-    nchunk = 64
+def sum_u64(a, nchunk):
+    """Sum of a uint64 array in nchunk prange chunks; each chunk a 1-D view, so the inner loop vectorizes (an
+    integer sum needs no fastmath to). A multiple of the thread count as nchunk gives every thread equal work."""
     step = (a.shape[0] + nchunk - 1) // nchunk
     part = np.zeros(nchunk, np.uint64)
     for c in prange(nchunk):
@@ -22,8 +22,8 @@ def _sum_u64(a):
     return part.sum()
 
 
-def read_sweep(a: np.ndarray) -> float:
+def read_sweep(a: np.ndarray, nchunk: int = 64) -> float:
     """GB/s of one parallel read of the uint64 array a."""
     t0 = time.perf_counter()
-    _sum_u64(a)
+    sum_u64(a, nchunk)
     return a.nbytes / (time.perf_counter() - t0) / 1e9

@@ -192,10 +192,10 @@ class VRAMCache:
         self.table.copy_to_device(self.host_table, stream=stream)
         stream.synchronize()
 
-    def note(self, layer: int, experts: np.ndarray, missed: np.ndarray) -> None:
-        """This layer routed to `experts` (with repeats across tokens); `missed` of them had no slot.
+    def note(self, layer: int, experts: np.ndarray, n_tokens: np.ndarray, missed: np.ndarray) -> None:
+        """This layer routed n_tokens[i] choices to experts[i] (distinct); `missed` of the choices had no slot.
         Counts them, and admits missed experts into free slots on first use (copies start at once)."""
-        np.add.at(self.counts[layer], experts, 1.0)
+        self.counts[layer, experts] += n_tokens
         free = self.slot_expert.get(layer)
         if free is None or len(missed) == 0:
             return

@@ -343,12 +343,11 @@ class GPUBackend:
         mb = self.mb
         ids = mb.ids[:T].astype(np.int64)
         hit = mb.slot[:T] >= 0
-        routed = ids.reshape(-1)
-        if self.experts is not None:
-            uniq, cnt = np.unique(routed, return_counts=True)
-            self.experts.routed(layer, uniq, cnt)  # the profile counts every choice, hits included
+        # One count of the layer's choices (hits included) for the profile, the cache's placement and the stats.
+        uniq, cnt = np.unique(ids, return_counts=True)
+        self.experts.routed(layer, uniq, cnt)
         missed = ids[~hit]
-        self.cache.note(layer, routed, missed)
+        self.cache.note(layer, uniq, cnt, missed)
         y = mb.y[:T]
         y[:] = 0.0
         t0 = time.perf_counter()
@@ -363,7 +362,7 @@ class GPUBackend:
             stats.misses += missed.size
             stats.hit_bytes += nh * nb
             stats.miss_bytes += missed.size * nb
-            np.add.at(stats.routed[layer], routed, 1)
+            stats.routed[layer, uniq] += cnt
         return dt
 
     def _execute(self, segs: list[_Segment], T: int, stats: HybridStats | None) -> None:
