@@ -229,6 +229,7 @@ def _gate_up_fn(tg: tuple, tu: tuple, k: int, rows: int):
     if key in _KERNELS:
         return _KERNELS[key]
     dg, du = _dot_rows(*tg, rows), _dot_rows(*tu, rows)
+    rows2 = 2 * rows  # local array sizes must be constants of the kernel, not expressions in it
     ch, nch = _chunks(k)
     cu, nunits = ch // UNIT, k // UNIT
     warps, nthr = MV_WARPS, MV_WARPS * LANES
@@ -243,7 +244,7 @@ def _gate_up_fn(tg: tuple, tu: tuple, k: int, rows: int):
         s = cuda.local.array(4, float32)
         mn = cuda.local.array(4, float32)
         sx = cuda.local.array(4, float32)
-        acc = cuda.local.array(2 * rows, float32)  # gate rows, then up rows
+        acc = cuda.local.array(rows2, float32)  # gate rows, then up rows
         tid = cuda.threadIdx.x
         lane = tid & LANE_MASK
         kk = ids.shape[1]
@@ -253,7 +254,7 @@ def _gate_up_fn(tg: tuple, tu: tuple, k: int, rows: int):
             slot = slot_of[_U(ids[_U(t), _U(i - t * kk)])]
             if slot >= 0:  # the same for the whole block: its barriers are safe
                 base = slot * slot_bytes
-                for o in range(2 * rows):
+                for o in range(rows2):
                     acc[o] = _ZERO
                 for c in range(nch):
                     cuda.syncthreads()
@@ -266,7 +267,7 @@ def _gate_up_fn(tg: tuple, tu: tuple, k: int, rows: int):
                     dg(w8g, wvg, whg, base + off_g, rbg, r0, nrows - 1, u0, u1, xs, c * ch, q, s, mn, xv, sx, acc, 0)
                     du(w8u, wvu, whu, base + off_u, rbu, r0, nrows - 1, u0, u1, xs, c * ch, q, s, mn, xv, sx, acc,
                        rows)
-                _warp_reduce(acc, 2 * rows, red)
+                _warp_reduce(acc, rows2, red)
                 if lane == 0:
                     for o in range(rows):
                         if r0 + o < nrows:

@@ -110,6 +110,7 @@ _MAX_HD = 256
 _QK_WARPS = 1 if _sim() else 4
 _QK_LANES = 1 if _sim() else 32
 _QK_SHIFT = (_QK_LANES - 1).bit_length()
+_QK_THREADS = _QK_WARPS * _QK_LANES  # array shapes must be module constants, not expressions in the kernel
 
 if _sim():
     @cuda.jit(device=True)
@@ -136,7 +137,7 @@ def _qk_rope_kv_k(q, k, v, qw, kw, mode, eps, mult, mscale, neox, n_rot, n_head,
     cs = cuda.shared.array(_MAX_HALF, np.float32)
     sn = cuda.shared.array(_MAX_HALF, np.float32)
     hb = cuda.shared.array((_QK_WARPS, _MAX_HD), np.float32)
-    red = cuda.shared.array(_QK_WARPS * _QK_LANES, np.float32)
+    red = cuda.shared.array(_QK_THREADS, np.float32)
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     lane = tid & (_QK_LANES - 1)
@@ -229,7 +230,7 @@ def qk_rope_kv(q, k, v, q_norm, k_norm, mode: int, eps: float, mult, mscale: flo
     if ntok <= 0:
         return
     blocks = min(2, ntok) if _sim() else min(ntok, 65535)
-    _qk_rope_kv_k[blocks, _QK_WARPS * _QK_LANES, stream](q, k, v, q_norm, k_norm, int(mode), float(eps), mult,
+    _qk_rope_kv_k[blocks, _QK_THREADS, stream](q, k, v, q_norm, k_norm, int(mode), float(eps), mult,
                                                           float(mscale), bool(neox), int(n_rot), int(n_head),
                                                           int(n_kv), int(head_dim), kc, vc, pos0, ntok)
 
