@@ -327,11 +327,14 @@ class GPUBackend:
             if hybrid:
                 segs.append(_Segment(cur, l))
                 cur = list(post)
-        rows = T if all_logits else 1
-        xl = self.x if all_logits else self.x[T - 1:T]
-        xnl = self.xn if all_logits else self.xn[T - 1:T]
-        cur.append(lambda st: kops.rmsnorm(xl, D["output_norm"], float(s.rms_eps), xnl, rows, st))
-        cur += self._linear(D["output"], xnl, self.logits, rows)
+        out, eps = D["output"], float(s.rms_eps)
+        if all_logits and T > 1:
+            cur.append(lambda st: kops.rmsnorm(self.x, D["output_norm"], eps, self.xn, T, st))
+            cur += self._linear(out, self.xn, self.logits, T)
+        else:  # the last row only: the final norm fused into the head's matrix-vector launch
+            xl = self.x[T - 1:T]
+            cur.append(lambda st: kmm.matvec([(out.qtype, out.rows, self.logits, False)], xl, st,
+                                             norm=D["output_norm"], eps=eps))
         if tail == "sample":
             lrow = self.logits[0]
             cur.append(lambda st: self.sampler.launch(lrow, st))
