@@ -285,3 +285,46 @@ def swiglu_quant(g, u, h, hq, hd, hs):
     """h = silu(g) * u, and h quantized to int8 (actq layout) for the down projection, in one call."""
     silu_mul(g, u, h)
     quantize_rows(h, hq, hd, hs)
+
+
+@njit(cache=True, nogil=True)
+def pool_split(ids, slot, masked, experts, counts, missed):
+    """The hybrid engine's CPU expert pool, one layer's routing in one call (no numpy temporaries).
+
+    ids i32[T, k]     the layer's expert choices, as the GPU published them
+    slot i32[T, k]    >= 0: a VRAM slot serves that choice (a hit); < 0: the CPU computes it (a miss)
+    writes
+    masked [T, k]     ids with the hits as -1 (any integer dtype): what CPUBackend.routed_experts takes
+    experts, counts   i64[n_expert] buffers: experts[:G] the distinct experts of all choices (hits included),
+                      ascending, counts[:G] how many choices each got (profile, cache placement, stats)
+    missed            i64[n_expert] buffer: missed[:M] the distinct experts with at least one miss, ascending
+    returns (G, M, hits, misses)
+    """
+    ntok, k = ids.shape
+    ne = counts.shape[0]
+    for e in range(ne):
+        counts[e] = 0
+        missed[e] = 0
+    hits = 0
+    for t in range(ntok):
+        for j in range(k):
+            e = ids[t, j]
+            counts[e] += 1
+            if slot[t, j] >= 0:
+                masked[t, j] = -1
+                hits += 1
+            else:
+                masked[t, j] = e
+                missed[e] = 1
+    g = 0
+    m = 0
+    for e in range(ne):  # compact in place: the write index never passes the read index
+        c = counts[e]
+        if c:
+            experts[g] = e
+            counts[g] = c
+            g += 1
+        if missed[e]:
+            missed[m] = e
+            m += 1
+    return g, m, hits, ntok * k - hits

@@ -63,6 +63,7 @@ class CPUBackend:
         # Per MoE layer: the routed-expert kernel specialized for its quant types, and its matrix geometry.
         self._moe: dict[int, tuple] = {}
         self._scratch: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
+        self._act_q: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         if experts is not None:
             src = experts.src
             for l in moe:
@@ -84,6 +85,18 @@ class CPUBackend:
         if m.bias is not None:
             out += m.bias
         return out
+
+    def activation(self, x: np.ndarray) -> Activation:
+        """x f32[T, K] (C-contiguous) as an Activation whose int8 form is computed now into buffers kept per shape:
+        for callers outside the forward such as the hybrid engine's CPU pool (no allocation per layer); valid
+        until the next call with the same shape."""
+        if not self.fast or x.shape[1] % 32:
+            return Activation(x)
+        q = self._act_q.get(x.shape)
+        if q is None:
+            q = self._act_q[x.shape] = Activation.empty_q(*x.shape)
+        actq.quantize_rows(x, *q)
+        return Activation(x, q)
 
     def norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         out = np.empty_like(x)
