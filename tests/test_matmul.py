@@ -18,7 +18,7 @@ from gguf.quants import dequantize
 from numba import njit
 
 from strata_nb.cpu_kernels.actq import quantize
-from strata_nb.cpu_kernels.matmul import dequant_rows, matmul_f32, matmul_q8, moe_matmul
+from strata_nb.cpu_kernels.matmul import dequant_rows, matmul_f32, matmul_q8, moe_matmul, specialize
 from strata_nb.cpu_kernels.qtypes import (
     BF16, F16, FLOAT_TYPES, Q4_K, Q5_0, Q6_K, Q8_0, QUANT_INFO, SUPPORTED, row_bytes,
 )
@@ -52,11 +52,22 @@ def gguf_matrix(qtype: int, w: np.ndarray) -> np.ndarray:
     return dequantize(w.reshape(-1), gt).astype(np.float64).reshape(w.shape[0], -1)
 
 
-@njit(cache=True)
+def _make_rowwise_q8(QT):
+    @njit(cache=True)
+    def rowwise_q8(w, xq, xd, xs, out):
+        for t in range(xq.shape[0]):
+            for r in range(w.shape[0]):
+                out[t, r] = dot_q8(QT, w[r], xq[t], xd[t], xs[t])
+
+    return rowwise_q8
+
+
+_rowwise_q8_for = specialize(_make_rowwise_q8)
+
+
 def _rowwise_q8(qtype, w, xq, xd, xs, out):
-    for t in range(xq.shape[0]):
-        for r in range(w.shape[0]):
-            out[t, r] = dot_q8(qtype, w[r], xq[t], xd[t], xs[t])
+    """The single-token row kernel called per (row, token): what the drivers must reproduce bit for bit."""
+    _rowwise_q8_for(int(qtype))(w, xq, xd, xs, out)
 
 
 def check_close(got: np.ndarray, want: np.ndarray, scale: np.ndarray, rtol: float) -> None:
