@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 from numba import cuda
 
+from strata_nb.cpu_kernels import ops as cops
 from strata_nb.cuda_kernels import attention as katt
 from strata_nb.cuda_kernels import mailbox as kmb
 from strata_nb.cuda_kernels import matmul as kmm
@@ -185,6 +186,11 @@ class GPUBackend:
                                            self.w.rope_freqs.astype(np.float64), r.attn_factor)
         self.mult = cuda.to_device(np.ascontiguousarray(mult, np.float64))
         self.mb = Mailbox(tm, s.n_embd, k)
+        # the CPU pool's views of the mailbox as exact ndarrays (numba types a subclass slowly on every call)
+        self._px, self._pids, self._pwts, self._pslot, self._py = (
+            a.view(np.ndarray) for a in (self.mb.x, self.mb.ids, self.mb.wts, self.mb.slot, self.mb.y))
+        self._pmask = np.empty((tm, k), np.int32)
+        self._pexp, self._pcnt, self._pmiss = (np.empty(max(s.n_expert, 1), np.int64) for _ in range(3))
         self.cache = None
         if s.is_moe:
             self.cache = VRAMCache(self.experts.src, s.n_layer, s.n_expert, vram_slots,
@@ -345,29 +351,28 @@ class GPUBackend:
 
     # -- running (device thread) --------------------------------------------------------------------------
     def _cpu_pool(self, layer: int, T: int, stats: HybridStats | None) -> float:
-        """The misses of `layer` for T tokens: read the published routing, compute, write the weighted sum."""
+        """The misses of `layer` for T tokens: read the published routing, compute, write the weighted sum. The
+        per-layer glue is one compiled call on plain views of the mailbox (no numpy temporaries)."""
         mb = self.mb
-        ids = mb.ids[:T].astype(np.int64)
-        hit = mb.slot[:T] >= 0
+        ng, nm_e, nh, nm = cops.pool_split(self._pids[:T], self._pslot[:T], self._pmask[:T], self._pexp,
+                                           self._pcnt, self._pmiss)
         # One count of the layer's choices (hits included) for the profile, the cache's placement and the stats.
-        uniq, cnt = np.unique(ids, return_counts=True)
+        uniq, cnt = self._pexp[:ng], self._pcnt[:ng]
         self.experts.routed(layer, uniq, cnt)
-        missed = ids[~hit]
-        self.cache.note(layer, uniq, cnt, missed)
-        y = mb.y[:T]
+        self.cache.note(layer, uniq, cnt, self._pmiss[:nm_e])
+        y = self._py[:T]
         y[:] = 0.0
         t0 = time.perf_counter()
-        if missed.size:
-            self.cpu.routed_experts(layer, Activation(np.array(mb.x[:T])), np.where(hit, -1, ids),
-                                    np.array(mb.wts[:T]), y, record=False)
+        if nm:
+            self.cpu.routed_experts(layer, self.cpu.activation(self._px[:T]), self._pmask[:T], self._pwts[:T], y,
+                                    record=False)
         dt = time.perf_counter() - t0
         if stats is not None:
-            nh = int(hit.sum())
             nb = self._expert_bytes[layer]
             stats.hits += nh
-            stats.misses += missed.size
+            stats.misses += nm
             stats.hit_bytes += nh * nb
-            stats.miss_bytes += missed.size * nb
+            stats.miss_bytes += nm * nb
             stats.routed[layer, uniq] += cnt
         return dt
 
