@@ -404,7 +404,7 @@ def report(meta: dict, runs: list[dict]) -> str:
     if mb:
         lines.append(f"Bytes a decode token reads (from the file): dense {mb['dense_bytes_per_token'] / 1e6:.0f} MB "
                      f"+ experts {mb['expert_bytes_per_token'] / 1e6:.0f} MB = {bpt / 1e6:.0f} MB"
-                     + (f"; the GPU floor's ideal time at {gpu_bw:,.0f} GB/s: {1e3 * bpt / gpu_bw:.3f} ms/token "
+                     + (f"; the GPU floor's ideal time at {gpu_bw:,.0f} GB/s: {1e3 * bpt / (gpu_bw * 1e9):.3f} ms/token "
                         f"= {gpu_bw * 1e9 / bpt:,.0f} tok/s (KV reads not counted)." if _ok(gpu_bw) else "."))
     lines += ["", "| VRAM expert share | llama.cpp placement | llama.cpp prompt tok/s | llama.cpp decode tok/s "
                   "| strata-nb prompt tok/s | strata-nb decode tok/s | decode vs llama.cpp | VRAM hit rate "

@@ -7,6 +7,11 @@ activations stay in L1. A last group of one token (decode is the T=1 case) takes
 Weights are uint8 rows in their GGUF layout, read in place from a memory map (GGUF or expert pack) or, for
 experts, from wherever the expert store holds them (addresses, see moe_matmul).
 The drivers release the GIL: the expert store's reader threads issue SSD reads while they run.
+
+Every driver is compiled per quant type (`specialize`): the type is a constant of the compiled function, so
+rowdot resolves it to that type's row kernels while typing and nothing else is compiled. A file uses 2-4
+types; compiling all 13 into every driver made a cold start take minutes. The specialized drivers are cached on
+disk like any other (numba keys a closure's cache entry by its cell values: here only ints and bools).
 """
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from strata_nb.cpu_kernels.qtypes import BF16, F16, F32
+from strata_nb.cpu_kernels.qtypes import FLOAT_TYPES
+from strata_nb.cpu_kernels.ops import moe_combine, swiglu_quant_row
 from strata_nb.cpu_kernels.rowdot import dequant_row, dot_f32, dot_q8, dot_q8_multi
 
 ROWS_PER_TASK = 16
@@ -76,11 +82,31 @@ def _mat_at(typingctx, addr, rows, row_bytes):
     return matty(addr, rows, row_bytes), codegen
 
 
-# The row work of a task lives in its own (not inlined) function: the dispatch in rowdot is inlined and ends in
-# a raise, and a prange body with a raise in it has two exits, which numba refuses to parallelize (it then
-# runs the whole loop serially, with only a performance warning).
+def specialize(make):
+    """make(*key) -> a numba dispatcher, built once per key (quant types and flags, plain ints and bools) and
+    memoized; numba's on-disk cache serves it in the next process. Returns the lookup, with .make kept."""
+    built = {}
 
-@njit(cache=True, nogil=True)
+    def get(*key):
+        f = built.get(key)
+        if f is None:
+            f = built[key] = make(*key)
+        return f
+
+    get.make = make
+    return get
+
+
+def _is_float(qtype: int) -> bool:
+    return qtype in FLOAT_TYPES
+
+
+# The task helpers take the quant type as an argument and are inlined into the specialized drivers, where it is a
+# constant (a closure cell, so numba types it as a literal): rowdot resolves it to that type's row kernel while
+# typing. No raise reaches a prange body that way (a raise in it makes numba run the loop serially, with only a
+# performance warning; tests/test_matmul.py compiles every driver with that warning as an error).
+
+@njit(nogil=True, inline="always")
 def _task_f32(qtype, w, x, out, r0, r1, tok_idx, j0, j1):
     """out[j, r] = W[r] . x[tok_idx[j]] for rows r0:r1 and entries j0:j1, float32 path."""
     for r in range(r0, r1):
@@ -89,7 +115,7 @@ def _task_f32(qtype, w, x, out, r0, r1, tok_idx, j0, j1):
             out[j, r] = dot_f32(qtype, wr, _row(x, tok_idx[j]))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(nogil=True, inline="always")
 def _rows_multi(qtype, w, r0, r1, xq, xd, xs, out, j, toks):
     """out[j + k, r] = W[r] . token toks[k] for rows r0:r1, each row unpacked once for all of toks."""
     for r in range(r0, r1):
@@ -98,7 +124,7 @@ def _rows_multi(qtype, w, r0, r1, xq, xd, xs, out, j, toks):
             out[j + k, r] = res[k]
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True, inline="always")
 def _task_q8(qtype, w, xq, xd, xs, out, r0, r1, tok_idx, j0, j1):
     """out[j, r] = W[r] . xq[tok_idx[j]] for rows r0:r1 and entries j0:j1, int8 path, four tokens per unpack."""
     xqv, xdv, xsv = _noref(xq), _noref(xd), _noref(xs)
@@ -117,65 +143,139 @@ def _task_q8(qtype, w, xq, xd, xs, out, r0, r1, tok_idx, j0, j1):
             out[j, r] = dot_q8(qtype, _row(w, r), _row(xq, t), _row(xd, t), _row(xs, t))
 
 
-@njit(cache=True, nogil=True)
-def _task_dequant(qtype, w, rows, out, i):
-    dequant_row(qtype, _row(w, rows[i]), _row(out, i))
+@njit(nogil=True, inline="always")
+def _task(q8, qtype, w, x, xq, xd, xs, out, r0, r1, tok_idx, j0, j1):
+    """One task on the int8 path (q8) or the float32 path; q8 and qtype are constants where this is inlined."""
+    if q8:
+        _task_q8(qtype, w, xq, xd, xs, out, r0, r1, tok_idx, j0, j1)
+    else:
+        _task_f32(qtype, w, x, out, r0, r1, tok_idx, j0, j1)
 
 
-@njit(cache=True, parallel=True, nogil=True)
+def _make_matmul(Q8, QT):
+    @njit(cache=True, parallel=True, nogil=True)
+    def matmul_spec(w, x, xq, xd, xs, out):
+        rows = w.shape[0]
+        ntok = x.shape[0]
+        tok_idx = np.arange(ntok)
+        ntask = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+        for task in prange(ntask):
+            r0 = task * ROWS_PER_TASK
+            _task(Q8, QT, w, x, xq, xd, xs, out, r0, min(rows, r0 + ROWS_PER_TASK), tok_idx, 0, ntok)
+
+    return matmul_spec
+
+
+matmul_for = specialize(_make_matmul)  # (int8 path, qtype) -> matmul_spec(w, x, xq, xd, xs, out)
+
+
 def matmul_f32(qtype, w, x, out):
     """out[t, r] = W[r] . x[t] on the float32 reference path. w u8[rows, row_bytes], x f32[T, K]."""
-    rows = w.shape[0]
-    ntok = x.shape[0]
-    tok_idx = np.arange(ntok)
-    ntask = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in prange(ntask):
-        _task_f32(qtype, w, x, out, task * ROWS_PER_TASK, min(rows, (task + 1) * ROWS_PER_TASK), tok_idx, 0, ntok)
+    matmul_for(False, int(qtype))(w, x, _EMPTY_Q, _EMPTY_D, _EMPTY_D, out)
 
 
-@njit(cache=True, parallel=True, nogil=True)
 def matmul_q8(qtype, w, x, xq, xd, xs, out):
     """Fast path: int8 activations (actq layout); float weight types use x directly."""
-    rows = w.shape[0]
-    ntok = x.shape[0]
-    tok_idx = np.arange(ntok)
-    ntask = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    isfloat = qtype == F32 or qtype == F16 or qtype == BF16
-    for task in prange(ntask):
-        r0 = task * ROWS_PER_TASK
-        r1 = min(rows, r0 + ROWS_PER_TASK)
-        if isfloat:
-            _task_f32(qtype, w, x, out, r0, r1, tok_idx, 0, ntok)
-        else:
-            _task_q8(qtype, w, xq, xd, xs, out, r0, r1, tok_idx, 0, ntok)
+    qtype = int(qtype)
+    matmul_for(not _is_float(qtype), qtype)(w, x, xq, xd, xs, out)
 
 
-@njit(cache=True, parallel=True, nogil=True)
+def _make_moe_matmul(Q8, QT):
+    @njit(cache=True, parallel=True, nogil=True)
+    def moe_matmul_spec(ptrs, nrows, row_bytes, ent_lo, ent_hi, tok_idx, x, xq, xd, xs, out):
+        ngrp = ptrs.shape[0]
+        nblk = (nrows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+        for task in prange(ngrp * nblk):
+            g = task // nblk
+            r0 = (task - g * nblk) * ROWS_PER_TASK
+            w = _mat_at(ptrs[g], nrows, row_bytes)
+            _task(Q8, QT, w, x, xq, xd, xs, out, r0, min(nrows, r0 + ROWS_PER_TASK), tok_idx, ent_lo[g], ent_hi[g])
+
+    return moe_matmul_spec
+
+
+moe_matmul_for = specialize(_make_moe_matmul)
+
+
 def moe_matmul(fast, qtype, ptrs, nrows, row_bytes, ent_lo, ent_hi, tok_idx, x, xq, xd, xs, out):
-    """Grouped expert matmul for a set of experts of a layer in one parallel region.
+    """Grouped expert matmul for a set of experts of a layer in one parallel region (one matrix per expert).
 
     ptrs i64[G]        address of group g's expert matrix (nrows rows of row_bytes), in a buffer the caller keeps
                        alive and has bounds-checked (experts.store does both)
     ent_lo, ent_hi     group g owns entries ent_lo[g]:ent_hi[g] of tok_idx and rows of out
     tok_idx i64[N]     which row of x (xq/xd/xs) each entry reads
     out f32[N, nrows]  one output row per entry (rows of entries no group owns are left alone)
+    The building block of moe_ffn, and its reference in the tests.
     """
-    ngrp = ptrs.shape[0]
-    nblk = (nrows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    q8 = fast and not (qtype == F32 or qtype == F16 or qtype == BF16)
-    for task in prange(ngrp * nblk):
-        g = task // nblk
-        r0 = (task - g * nblk) * ROWS_PER_TASK
-        r1 = min(nrows, r0 + ROWS_PER_TASK)
-        w = _mat_at(ptrs[g], nrows, row_bytes)
-        if q8:
-            _task_q8(qtype, w, xq, xd, xs, out, r0, r1, tok_idx, ent_lo[g], ent_hi[g])
-        else:
-            _task_f32(qtype, w, x, out, r0, r1, tok_idx, ent_lo[g], ent_hi[g])
+    qtype = int(qtype)
+    moe_matmul_for(bool(fast) and not _is_float(qtype), qtype)(ptrs, nrows, row_bytes, ent_lo, ent_hi, tok_idx,
+                                                                x, xq, xd, xs, out)
 
 
-@njit(cache=True, parallel=True, nogil=True)
+def _make_moe_ffn(FAST, QG, QU, QD):
+    Q8G = FAST and not _is_float(QG)
+    Q8U = FAST and not _is_float(QU)
+    Q8D = FAST and not _is_float(QD)
+    SAME = QG == QU
+    QUANT_H = Q8D  # the down projection reads h as int8
+
+    @njit(cache=True, parallel=True, nogil=True)
+    def moe_ffn_spec(gate, up, down, ff, gate_rb, up_rb, hidden, down_rb, ent_lo, ent_hi, entry_tok, ident,
+                     x, xq, xd, xs, g, u, h, hq, hd, hs, y, combine, wts, entry_slot, out):
+        ngrp = gate.shape[0]
+        # gate and up of every expert of the wave: one parallel region over all their row blocks
+        nblk = (ff + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+        for task in prange(ngrp * 2 * nblk):
+            gi = task // (2 * nblk)
+            rem = task - gi * 2 * nblk
+            which = rem // nblk
+            r0 = (rem - which * nblk) * ROWS_PER_TASK
+            r1 = min(ff, r0 + ROWS_PER_TASK)
+            j0, j1 = ent_lo[gi], ent_hi[gi]
+            if SAME:
+                w = _mat_at(gate[gi] if which == 0 else up[gi], ff, gate_rb)
+                _task(Q8G, QG, w, x, xq, xd, xs, g if which == 0 else u, r0, r1, entry_tok, j0, j1)
+            elif which == 0:
+                _task(Q8G, QG, _mat_at(gate[gi], ff, gate_rb), x, xq, xd, xs, g, r0, r1, entry_tok, j0, j1)
+            else:
+                _task(Q8U, QU, _mat_at(up[gi], ff, up_rb), x, xq, xd, xs, u, r0, r1, entry_tok, j0, j1)
+        # h = silu(g) * u per entry of the wave, quantized for the down projection
+        for gi in prange(ngrp):
+            for j in range(ent_lo[gi], ent_hi[gi]):
+                swiglu_quant_row(_row(g, j), _row(u, j), _row(h, j), _row(hq, j), _row(hd, j), _row(hs, j),
+                                 QUANT_H)
+        # down: y[entry] = Down . h[entry]
+        nblk = (hidden + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+        for task in prange(ngrp * nblk):
+            gi = task // nblk
+            r0 = (task - gi * nblk) * ROWS_PER_TASK
+            _task(Q8D, QD, _mat_at(down[gi], hidden, down_rb), h, hq, hd, hs, y, r0, min(hidden, r0 + ROWS_PER_TASK),
+                  ident, ent_lo[gi], ent_hi[gi])
+        if combine:
+            moe_combine(y[:entry_tok.shape[0]], wts, entry_tok, entry_slot, out)
+
+    return moe_ffn_spec
+
+
+moe_ffn_for = specialize(_make_moe_ffn)  # (fast, gate qtype, up qtype, down qtype) -> moe_ffn_spec
+
+
+def _make_dequant_rows(QT):
+    @njit(cache=True, parallel=True, nogil=True)
+    def dequant_rows_spec(w, rows, out):
+        for i in prange(rows.shape[0]):
+            dequant_row(QT, _row(w, rows[i]), _row(out, i))
+
+    return dequant_rows_spec
+
+
+dequant_rows_for = specialize(_make_dequant_rows)
+
+
 def dequant_rows(qtype, w, rows, out):
     """out[i] = dequant(W[rows[i]]): embedding lookup from a (possibly quantized) table."""
-    for i in prange(rows.shape[0]):
-        _task_dequant(qtype, w, rows, out, i)
+    dequant_rows_for(int(qtype))(w, rows, out)
+
+
+_EMPTY_Q = np.zeros((1, 32), np.int8)  # the int8 operands of a float32-path call: never read
+_EMPTY_D = np.zeros((1, 2), np.float32)

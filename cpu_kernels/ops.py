@@ -79,11 +79,13 @@ def rope_apply(x, cos, sin, neox):
 
 @njit(cache=True)
 def kv_write(kc, vc, k, v, pos0):
-    """Append k, v f32[T, Hkv, hd] at positions pos0.. of caches f32[Hkv, ctx, hd]."""
+    """Append k, v f32[T, Hkv, hd] at positions pos0.. of caches f32[Hkv, ctx, hd] (element loops: a slice
+    assignment compiles numba's whole broadcasting machinery, seconds of a cold start)."""
     for t in range(k.shape[0]):
         for h in range(k.shape[1]):
-            kc[h, pos0 + t, :] = k[t, h, :]
-            vc[h, pos0 + t, :] = v[t, h, :]
+            for i in range(k.shape[2]):
+                kc[h, pos0 + t, i] = k[t, h, i]
+                vc[h, pos0 + t, i] = v[t, h, i]
 
 
 @njit(cache=True, parallel=True, fastmath=True)
@@ -123,24 +125,39 @@ def attention(q, kc, vc, pos0, scale, out):
                 out[t, h, i] += p * vc[kvh, j, i]
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True)
+def silu_mul_row(g, u, out):
+    """out = silu(g) * u over one row: a function of its own (not inlined) so every caller gets the same code."""
+    for i in range(g.shape[0]):
+        x = g[i]
+        out[i] = x / (np.float32(1.0) + np.float32(math.exp(-x))) * u[i]
+
+
+@njit(cache=True, parallel=True)
 def silu_mul(g, u, out):
     """out = silu(g) * u elementwise over f32[N, F] (SwiGLU)."""
-    n, f = g.shape
-    for t in prange(n):
-        for i in range(f):
-            x = g[t, i]
-            out[t, i] = x / (np.float32(1.0) + np.float32(math.exp(-x))) * u[t, i]
+    for t in prange(g.shape[0]):
+        silu_mul_row(g[t], u[t], out[t])
+
+
+@njit(nogil=True, inline="always")
+def swiglu_quant_row(g, u, h, hq, hd, hs, quant):
+    """One row of swiglu_quant (quant: also quantize h; a constant where this is inlined)."""
+    silu_mul_row(g, u, h)
+    if quant:
+        quantize_row(h, hq, hd, hs)
 
 
 @njit(cache=True)
 def route_softmax_topk(logits, k, renorm, scale, ids, weights):
     """Softmax over experts, keep the top k (ties to the lower id), optionally renormalize, then scale.
 
-    logits f32[T, E] -> ids i64[T, k], weights f32[T, k] (in descending weight order).
+    logits f32[T, E] -> ids i64[T, k], weights f32[T, k] (in descending weight order). The top k by k scans for
+    the largest remaining probability (first index on ties): k is small, and a sort compiled for seconds.
     """
     ntok, ne = logits.shape
     p = np.empty(ne, np.float32)
+    taken = np.zeros(ne, np.bool_)
     for t in range(ntok):
         m = logits[t, 0]
         for e in range(1, ne):
@@ -152,11 +169,16 @@ def route_softmax_topk(logits, k, renorm, scale, ids, weights):
             tot += p[e]
         for e in range(ne):
             p[e] /= tot
-        order = np.argsort(-p, kind="mergesort")
+            taken[e] = False
         wsum = np.float32(0.0)
         for j in range(k):
-            ids[t, j] = order[j]
-            weights[t, j] = p[order[j]]
+            best = -1
+            for e in range(ne):
+                if not taken[e] and (best < 0 or p[e] > p[best]):
+                    best = e
+            taken[best] = True
+            ids[t, j] = best
+            weights[t, j] = p[best]
             wsum += weights[t, j]
         for j in range(k):
             if renorm:
@@ -263,3 +285,46 @@ def swiglu_quant(g, u, h, hq, hd, hs):
     """h = silu(g) * u, and h quantized to int8 (actq layout) for the down projection, in one call."""
     silu_mul(g, u, h)
     quantize_rows(h, hq, hd, hs)
+
+
+@njit(cache=True, nogil=True)
+def pool_split(ids, slot, masked, experts, counts, missed):
+    """The hybrid engine's CPU expert pool, one layer's routing in one call (no numpy temporaries).
+
+    ids i32[T, k]     the layer's expert choices, as the GPU published them
+    slot i32[T, k]    >= 0: a VRAM slot serves that choice (a hit); < 0: the CPU computes it (a miss)
+    writes
+    masked [T, k]     ids with the hits as -1 (any integer dtype): what CPUBackend.routed_experts takes
+    experts, counts   i64[n_expert] buffers: experts[:G] the distinct experts of all choices (hits included),
+                      ascending, counts[:G] how many choices each got (profile, cache placement, stats)
+    missed            i64[n_expert] buffer: missed[:M] the distinct experts with at least one miss, ascending
+    returns (G, M, hits, misses)
+    """
+    ntok, k = ids.shape
+    ne = counts.shape[0]
+    for e in range(ne):
+        counts[e] = 0
+        missed[e] = 0
+    hits = 0
+    for t in range(ntok):
+        for j in range(k):
+            e = ids[t, j]
+            counts[e] += 1
+            if slot[t, j] >= 0:
+                masked[t, j] = -1
+                hits += 1
+            else:
+                masked[t, j] = e
+                missed[e] = 1
+    g = 0
+    m = 0
+    for e in range(ne):  # compact in place: the write index never passes the read index
+        c = counts[e]
+        if c:
+            experts[g] = e
+            counts[g] = c
+            g += 1
+        if missed[e]:
+            missed[m] = e
+            m += 1
+    return g, m, hits, ntok * k - hits

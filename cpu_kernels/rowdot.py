@@ -1,4 +1,7 @@
-"""Per-row dispatch on the quant type: one branch per row is noise next to a row of 1-4 KB.
+"""Per-row dispatch on the quant type, resolved when a kernel is compiled: the quant type must be a compile-time
+constant (a literal) where these are called, so a specialized driver (matmul.specialize) compiles only its own
+type's row kernels. An if-chain over all 13 types in numba IR (the earlier form) compiled every type into every
+driver: a cold start spent minutes there, most of it copying the chain's IR while inlining it.
 
 Each type module exports, for each of its types T:
   dequant_T(w u8[:], out f32[:])                  a row to float32
@@ -11,124 +14,74 @@ Float weights (F32/F16/BF16) have no int8 path: the fast drivers call dot_f32 fo
 """
 from __future__ import annotations
 
-from numba import njit
+from numba.core import types
+from numba.core.errors import TypingError
+from numba.extending import overload
 
 from strata_nb.cpu_kernels import dot_float as fl
 from strata_nb.cpu_kernels import dot_kquant as kq
 from strata_nb.cpu_kernels import dot_legacy as lg
 from strata_nb.cpu_kernels.qtypes import (
-    BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
+    BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, name,
 )
 
+_MODULES = {Q4_0: lg, Q4_1: lg, Q5_0: lg, Q5_1: lg, Q8_0: lg, Q2_K: kq, Q3_K: kq, Q4_K: kq, Q5_K: kq, Q6_K: kq,
+            F32: fl, F16: fl, BF16: fl}
+_FLOAT = (F32, F16, BF16)
 
-@njit(cache=True, nogil=True, inline="always")
+
+def _kernel(kind: str, qtype) -> object:
+    """The row kernel `kind` (dequant, dot_f32, dot_q8, dot_q8_multi) for a literal quant type."""
+    if not isinstance(qtype, types.IntegerLiteral):
+        raise TypingError(f"rowdot.{kind}: the quant type must be a compile-time constant (got {qtype}); "
+                          "call it from a driver specialized per type (matmul.specialize)")
+    qt = qtype.literal_value
+    if qt not in _MODULES or (kind.startswith("dot_q8") and qt in _FLOAT):
+        raise TypingError(f"rowdot.{kind}: no kernel for {name(qt)}")
+    tag = name(qt).lower()
+    attr = f"{kind}_{tag}" if kind != "dot_q8_multi" else f"dot_q8_{tag}_multi"
+    return getattr(_MODULES[qt], attr)
+
+
 def dequant_row(qtype, w, out):
-    if qtype == Q4_K:
-        kq.dequant_q4_k(w, out)
-    elif qtype == Q6_K:
-        kq.dequant_q6_k(w, out)
-    elif qtype == Q8_0:
-        lg.dequant_q8_0(w, out)
-    elif qtype == Q5_0:
-        lg.dequant_q5_0(w, out)
-    elif qtype == F32:
-        fl.dequant_f32(w, out)
-    elif qtype == F16:
-        fl.dequant_f16(w, out)
-    elif qtype == BF16:
-        fl.dequant_bf16(w, out)
-    elif qtype == Q4_0:
-        lg.dequant_q4_0(w, out)
-    elif qtype == Q4_1:
-        lg.dequant_q4_1(w, out)
-    elif qtype == Q5_1:
-        lg.dequant_q5_1(w, out)
-    elif qtype == Q2_K:
-        kq.dequant_q2_k(w, out)
-    elif qtype == Q3_K:
-        kq.dequant_q3_k(w, out)
-    elif qtype == Q5_K:
-        kq.dequant_q5_k(w, out)
-    else:
-        raise ValueError("unsupported quant type")
+    """out = W row as float32."""
+    raise NotImplementedError("numba only")
 
 
-@njit(cache=True, nogil=True, inline="always")
 def dot_f32(qtype, w, x):
-    if qtype == Q4_K:
-        return kq.dot_f32_q4_k(w, x)
-    elif qtype == Q6_K:
-        return kq.dot_f32_q6_k(w, x)
-    elif qtype == Q8_0:
-        return lg.dot_f32_q8_0(w, x)
-    elif qtype == Q5_0:
-        return lg.dot_f32_q5_0(w, x)
-    elif qtype == F32:
-        return fl.dot_f32_f32(w, x)
-    elif qtype == F16:
-        return fl.dot_f32_f16(w, x)
-    elif qtype == BF16:
-        return fl.dot_f32_bf16(w, x)
-    elif qtype == Q4_0:
-        return lg.dot_f32_q4_0(w, x)
-    elif qtype == Q4_1:
-        return lg.dot_f32_q4_1(w, x)
-    elif qtype == Q5_1:
-        return lg.dot_f32_q5_1(w, x)
-    elif qtype == Q2_K:
-        return kq.dot_f32_q2_k(w, x)
-    elif qtype == Q3_K:
-        return kq.dot_f32_q3_k(w, x)
-    elif qtype == Q5_K:
-        return kq.dot_f32_q5_k(w, x)
-    raise ValueError("unsupported quant type")
+    """W row . x on the float32 reference path."""
+    raise NotImplementedError("numba only")
 
 
-@njit(cache=True, nogil=True, inline="always")
 def dot_q8(qtype, w, xq, xd, xs):
-    if qtype == Q4_K:
-        return kq.dot_q8_q4_k(w, xq, xd, xs)
-    elif qtype == Q6_K:
-        return kq.dot_q8_q6_k(w, xq, xd, xs)
-    elif qtype == Q8_0:
-        return lg.dot_q8_q8_0(w, xq, xd, xs)
-    elif qtype == Q5_0:
-        return lg.dot_q8_q5_0(w, xq, xd, xs)
-    elif qtype == Q4_0:
-        return lg.dot_q8_q4_0(w, xq, xd, xs)
-    elif qtype == Q4_1:
-        return lg.dot_q8_q4_1(w, xq, xd, xs)
-    elif qtype == Q5_1:
-        return lg.dot_q8_q5_1(w, xq, xd, xs)
-    elif qtype == Q2_K:
-        return kq.dot_q8_q2_k(w, xq, xd, xs)
-    elif qtype == Q3_K:
-        return kq.dot_q8_q3_k(w, xq, xd, xs)
-    elif qtype == Q5_K:
-        return kq.dot_q8_q5_k(w, xq, xd, xs)
-    raise ValueError("float weights take the float32 path")
+    """W row . x on int8 activations (quantized types only)."""
+    raise NotImplementedError("numba only")
 
 
-@njit(cache=True, nogil=True, inline="always")
 def dot_q8_multi(qtype, w, xq, xd, xs, toks):
-    if qtype == Q4_K:
-        return kq.dot_q8_q4_k_multi(w, xq, xd, xs, toks)
-    elif qtype == Q6_K:
-        return kq.dot_q8_q6_k_multi(w, xq, xd, xs, toks)
-    elif qtype == Q8_0:
-        return lg.dot_q8_q8_0_multi(w, xq, xd, xs, toks)
-    elif qtype == Q5_0:
-        return lg.dot_q8_q5_0_multi(w, xq, xd, xs, toks)
-    elif qtype == Q4_0:
-        return lg.dot_q8_q4_0_multi(w, xq, xd, xs, toks)
-    elif qtype == Q4_1:
-        return lg.dot_q8_q4_1_multi(w, xq, xd, xs, toks)
-    elif qtype == Q5_1:
-        return lg.dot_q8_q5_1_multi(w, xq, xd, xs, toks)
-    elif qtype == Q2_K:
-        return kq.dot_q8_q2_k_multi(w, xq, xd, xs, toks)
-    elif qtype == Q3_K:
-        return kq.dot_q8_q3_k_multi(w, xq, xd, xs, toks)
-    elif qtype == Q5_K:
-        return kq.dot_q8_q5_k_multi(w, xq, xd, xs, toks)
-    raise ValueError("float weights take the float32 path")
+    """dot_q8 of one row against the tokens toks (a tuple) of 2-D activations, the row unpacked once."""
+    raise NotImplementedError("numba only")
+
+
+@overload(dequant_row, prefer_literal=True)
+def _ol_dequant_row(qtype, w, out):
+    k = _kernel("dequant", qtype)
+    return lambda qtype, w, out: k(w, out)
+
+
+@overload(dot_f32, prefer_literal=True)
+def _ol_dot_f32(qtype, w, x):
+    k = _kernel("dot_f32", qtype)
+    return lambda qtype, w, x: k(w, x)
+
+
+@overload(dot_q8, prefer_literal=True)
+def _ol_dot_q8(qtype, w, xq, xd, xs):
+    k = _kernel("dot_q8", qtype)
+    return lambda qtype, w, xq, xd, xs: k(w, xq, xd, xs)
+
+
+@overload(dot_q8_multi, prefer_literal=True)
+def _ol_dot_q8_multi(qtype, w, xq, xd, xs, toks):
+    k = _kernel("dot_q8_multi", qtype)
+    return lambda qtype, w, xq, xd, xs, toks: k(w, xq, xd, xs, toks)

@@ -1,44 +1,54 @@
-"""Quantized matrix kernels: matmul (decode matrix-vector and prompt tiled), embedding lookup, and the grouped
-MoE matmul over VRAM expert slots. Weights are the GGUF bytes as uint8 device arrays, decoded in registers by
-cuda_kernels.quant one 16-weight unit at a time; accumulation in float32.
+"""Quantized matrix kernels: decode matrix-vector (dense, and the experts over VRAM slots), prompt tiles, embedding
+rows. Weights are the GGUF bytes as uint8 device arrays, decoded in registers by cuda_kernels.quant one 16-weight
+unit at a time; accumulation in float32.
 
-Work split (see quant.py for units): a warp owns a group of R rows and its 32 lanes stride over the units of
-those rows (lane l takes units l, l+32, ...), so adjacent lanes read adjacent weight words. Warps take row groups
-grid-stride; no block-level synchronization.
-- Matrix-vector (decode, and each entry of moe_slots): a lane loads its unit's 16 activations once and uses
-  them for the warp's R rows, as s * (q . x) - mn * sum(x) per run of 4.
-- Prompt (ntok > 1): a warp takes tiles of R rows x TT tokens: a lane decodes each of its units once per tile
-  into R x 16 weights in registers and applies them to the TT tokens.
-- Lane partial sums are reduced with warp shuffles. The simulator has no shuffles (and a simulated thread is a
-  Python thread): there a "warp" is one lane (LANES == 1) that walks all units of its rows.
-Launch helpers never allocate, copy or synchronize, take every shape as a Python int fixed at capture, and use
-grid-stride loops; under the simulator they launch 1-2 small blocks.
+Matrix-vector (one token; each MoE entry is one): a block of MV_WARPS warps owns MV_WARPS groups of `rows` rows.
+It first stages the activation row in shared memory (RMS-normalized on the way when the norm is fused), so the
+lanes read activations from shared memory instead of L1; then each warp's 32 lanes stride over the units of its
+rows (lane l takes units l, l+32, ...: adjacent lanes read adjacent weight words), loading a unit's 16 activations
+once for all its rows, as s * (q . x) - mn * sum(x) per run of 4. Lane partial sums are reduced with warp
+shuffles. Rows longer than MV_CHUNK elements are staged in chunks. Fusions, each saving a launch per layer:
+- dense: up to three matrices reading the same row in one launch (Q, K and V; the router and the shared expert's
+  gate and up), with the RMSNorm of the row fused (and the normalized row written out once for later kernels);
+- gate_up: an expert's gate and up rows by the same warp, SwiGLU in the epilogue;
+- down: a token's resident experts' down rows, weighted by the router and added to the residual stream.
+Prompt (ntok > 1, dense): a warp takes tiles of R rows x TT tokens: a lane decodes each of its units once per tile
+into R x 16 weights in registers and applies them to the TT tokens.
+The simulator has no shuffles (and a simulated thread is a Python thread): there a "warp" is one lane (LANES ==
+1) that walks all units of its rows.
+Launch helpers never allocate, copy or synchronize and take every shape as a Python int fixed at capture.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
-from numba import cuda, float32, uint64
+from numba import cuda, float32, float64, uint64
 from numba.core import config
 
 from strata_nb.cpu_kernels.qtypes import name as qname
+from strata_nb.cuda_kernels.block import block_sum
 from strata_nb.cuda_kernels.quant import _DEV, LAYOUTS, UNIT, _bits_f32
 from strata_nb.errors import StrataError
 
 SIM = bool(config.ENABLE_CUDASIM)
-# Real GPU. Matrix-vector: 4 warps a block, 2 rows a warp. Prompt: 4 warps a block, each 4 rows x 8 tokens (a
-# unit is decoded once per 8 tokens; its 16 activations are loaded once for 4 rows).
-# Simulator: one-warp blocks (see _warp_reduce), small tiles, 1-2 blocks.
-MV_WARPS, MV_ROWS = (1, 2) if SIM else (4, 2)
+# Real GPU. Matrix-vector: 4 warps a block, MV_ROWS rows a warp (MV_ROWS_SMALL for matrices too short to fill the
+# GPU that way). Prompt: 4 warps a block, each 4 rows x 8 tokens (a unit is decoded once per 8 tokens; its 16
+# activations are loaded once for 4 rows). Simulator: one-lane warps, one warp a block, small tiles.
+MV_WARPS, MV_ROWS, MV_ROWS_SMALL = (1, 2, 2) if SIM else (4, 4, 2)
+MV_CHUNK = 256 if SIM else 8192  # activation elements staged in shared memory at a time (32 KB)
 TILE_WARPS, TILE_ROWS, TILE_TOKS = (1, 2, 2) if SIM else (4, 4, 8)
 EMBED_THREADS = 32 if SIM else 256
 MAX_GRID_X = 2 if SIM else 1 << 20
 MAX_GRID_Y = 2 if SIM else 65535
-_SH = (1, 1)  # _warp_reduce's scratch (unused)
+_SH = (1, 1)  # the tiled kernel's _warp_reduce scratch (unused)
 # Lanes per warp: 32 on a GPU; 1 in the simulator, where every simulated thread is a Python thread and a barrier
 # costs milliseconds, so one thread walks all units of its rows and nothing needs reducing.
 LANES = 1 if SIM else 32
 LANE_MASK, WARP_SHIFT = LANES - 1, (LANES - 1).bit_length()
-
+_RED = MV_WARPS * LANES  # block_sum's buffer: one float per thread
+_ONE = np.float32(1.0)
+_EXP_CAP = np.float32(80.0)
 _ZERO = np.float32(0.0)
 _KERNELS: dict[tuple, object] = {}
 
@@ -78,102 +88,253 @@ else:
             acc[c] = v
 
 
-def _matvec_fns(qtype: int, word: int):
-    """The matrix-vector kernel and the MoE-slots kernel of one quant type and word size (memoized)."""
-    key = ("mv", qtype, word)
+def _dot_rows(qtype: int, word: int, rows: int):
+    """dot_rows(w8, wv, wh, base, rb, r0, last, u0, u1, xs, xoff, q, s, mn, xv, sx, acc, ao): acc[ao + o] += the
+    units u0 <= u < u1 of row min(r0 + o, last) . the activations staged in xs (xs[j] is element j + xoff of the
+    row), for o < rows, by one warp (this lane's share: units u0 + lane, u0 + lane + LANES, ...). Row r is the
+    bytes at base + r * rb of the weight views. Rows past the end are clamped (the caller discards their sums), so
+    the body has no branch and all its loads can be issued at once. Memoized per (type, word, rows)."""
+    key = ("rows", qtype, word, rows)
     if key in _KERNELS:
         return _KERNELS[key]
     lay = LAYOUTS[qtype]
     unit, pos, has_min = lay.unit, lay.pos, lay.has_min
-    rows, warps = MV_ROWS, MV_WARPS
 
     @cuda.jit(**_DEV)
-    def unit_dot(w8, wv, wh, off0, rb, u, r0, last, x, xr, q, s, mn, xv, sx, acc):
-        """acc[o] += unit u of row min(r0 + o, last) . x[xr] for o < rows. Rows past the end are clamped (their
-        sums are discarded by the caller), so the body has no branch and all its loads can be issued at once."""
+    def unit_dot(w8, wv, wh, base, rb, u, r0, last, xs, xoff, q, s, mn, xv, sx, acc, ao):
         for i in range(4):
-            _load_run(x, xr, pos(u, i), xv, 4 * i)
+            p = pos(u, i) - xoff
+            for e in range(4):
+                xv[4 * i + e] = xs[p + e]
             if has_min:
                 sx[i] = (xv[4 * i] + xv[4 * i + 1]) + (xv[4 * i + 2] + xv[4 * i + 3])
         for o in range(rows):
             r = r0 + o if r0 + o < last else last
-            unit(w8, wv, wh, word, off0 + r * rb, u, q, s, mn)
-            a = acc[o]
+            unit(w8, wv, wh, word, base + r * rb, u, q, s, mn)
+            a = acc[ao + o]
             for i in range(4):
                 d = q[4 * i] * xv[4 * i] + q[4 * i + 1] * xv[4 * i + 1] + q[4 * i + 2] * xv[4 * i + 2] + \
                     q[4 * i + 3] * xv[4 * i + 3]
                 a += s[i] * d
                 if has_min:
                     a -= mn[i] * sx[i]
-            acc[o] = a
+            acc[ao + o] = a
 
     @cuda.jit(**_DEV)
-    def rows_dot(w8, wv, wh, off0, rb, nunits, r0, nrows, x, xr, out, orow, accum, sh, q, s, mn, xv, sx, acc):
-        """out[orow, r] (+)= row r . x[xr] for r in r0 .. r0 + rows - 1 (< nrows), by one warp; row r is the
-        bytes at off0 + r * rb of the weight views."""
-        lane = cuda.threadIdx.x & LANE_MASK
+    def dot_rows(w8, wv, wh, base, rb, r0, last, u0, u1, xs, xoff, q, s, mn, xv, sx, acc, ao):
+        # Two units per step: their loads are independent, so a warp has twice the bytes in flight.
+        u = u0 + (cuda.threadIdx.x & LANE_MASK)
+        while u + LANES < u1:
+            unit_dot(w8, wv, wh, base, rb, u, r0, last, xs, xoff, q, s, mn, xv, sx, acc, ao)
+            unit_dot(w8, wv, wh, base, rb, u + LANES, r0, last, xs, xoff, q, s, mn, xv, sx, acc, ao)
+            u += 2 * LANES
+        if u < u1:
+            unit_dot(w8, wv, wh, base, rb, u, r0, last, xs, xoff, q, s, mn, xv, sx, acc, ao)
+
+    _KERNELS[key] = dot_rows
+    return dot_rows
+
+
+def _chunks(k: int) -> tuple[int, int]:
+    """(elements staged in shared memory at a time, number of stages) for rows of k elements: whole rows up to
+    MV_CHUNK, else chunks of MV_CHUNK (a multiple of 256, so no quant block straddles two stages)."""
+    if k <= MV_CHUNK:
+        return k, 1
+    return MV_CHUNK, -(-k // MV_CHUNK)
+
+
+def _dense_fn(types: tuple, k: int, rows: int, norm: bool):
+    """The matrix-vector kernel for up to three matrices (types: their (qtype, word) pairs) reading one activation
+    row of k elements, RMS-normalized on its way into shared memory when norm (memoized)."""
+    key = ("dense", types, k, rows, norm)
+    if key in _KERNELS:
+        return _KERNELS[key]
+    dots = [_dot_rows(qt, wd, rows) for qt, wd in types]
+    d0, d1, d2 = (dots + [dots[0]] * 3)[:3]  # absent matrices get no blocks; their slot is never called
+    ch, nch = _chunks(k)
+    cu, nunits = ch // UNIT, k // UNIT
+    warps, nthr = MV_WARPS, MV_WARPS * LANES
+
+    @cuda.jit(cache=True)
+    def dense(x, nw, eps, xo, write_xo,
+              w8a, wva, wha, rba, na, oa, acca, nba,
+              w8b, wvb, whb, rbb, nb, ob, accb, nbb,
+              w8c, wvc, whc, rbc, nc, oc, accc):
+        xs = cuda.shared.array(ch, float32)
+        red = cuda.shared.array(_RED, float32)
+        q = cuda.local.array(UNIT, float32)
+        xv = cuda.local.array(UNIT, float32)
+        s = cuda.local.array(4, float32)
+        mn = cuda.local.array(4, float32)
+        sx = cuda.local.array(4, float32)
+        acc = cuda.local.array(rows, float32)
+        tid = cuda.threadIdx.x
+        lane = tid & LANE_MASK
+        b = cuda.blockIdx.x
+        inv = _ONE
+        if norm:  # as cuda_kernels.ops.rmsnorm: the mean and eps in float64, the scale in float32
+            ss = _ZERO
+            for i in range(tid, k, nthr):
+                v = x[0, _U(i)]
+                ss += v * v
+            tot = block_sum(red, ss)
+            inv = _ONE / float32(math.sqrt(float64(tot) / k + eps))
+            if write_xo and b == 0:
+                for i in range(tid, k, nthr):
+                    xo[0, _U(i)] = x[0, _U(i)] * inv * nw[_U(i)]
+        m = 0 if b < nba else (1 if b < nba + nbb else 2)
+        lb = b if m == 0 else (b - nba if m == 1 else b - nba - nbb)
+        r0 = (lb * warps + (tid >> WARP_SHIFT)) * rows
         for o in range(rows):
             acc[o] = _ZERO
-        # Two units per step: their loads are independent, so a warp has twice the bytes in flight (short
-        # matrices are latency-bound).
-        u = lane
-        while u + LANES < nunits:
-            unit_dot(w8, wv, wh, off0, rb, u, r0, nrows - 1, x, xr, q, s, mn, xv, sx, acc)
-            unit_dot(w8, wv, wh, off0, rb, u + LANES, r0, nrows - 1, x, xr, q, s, mn, xv, sx, acc)
-            u += 2 * LANES
-        if u < nunits:
-            unit_dot(w8, wv, wh, off0, rb, u, r0, nrows - 1, x, xr, q, s, mn, xv, sx, acc)
-        _warp_reduce(acc, rows, sh)
+        for c in range(nch):
+            cuda.syncthreads()
+            for i in range(tid, ch, nthr):
+                j = c * ch + i
+                if j < k:
+                    v = x[0, _U(j)]
+                    if norm:
+                        v = v * inv * nw[_U(j)]
+                    xs[i] = v
+            cuda.syncthreads()
+            u0 = c * cu
+            u1 = min(nunits, u0 + cu)
+            if m == 0:
+                d0(w8a, wva, wha, 0, rba, r0, na - 1, u0, u1, xs, c * ch, q, s, mn, xv, sx, acc, 0)
+            elif m == 1:
+                d1(w8b, wvb, whb, 0, rbb, r0, nb - 1, u0, u1, xs, c * ch, q, s, mn, xv, sx, acc, 0)
+            else:
+                d2(w8c, wvc, whc, 0, rbc, r0, nc - 1, u0, u1, xs, c * ch, q, s, mn, xv, sx, acc, 0)
+        _warp_reduce(acc, rows, red)
         if lane == 0:
             for o in range(rows):
-                if r0 + o < nrows:
-                    v = acc[o]
-                    if accum:
-                        v += out[_U(orow), _U(r0 + o)]
-                    out[_U(orow), _U(r0 + o)] = v
+                r = r0 + o
+                v = acc[o]
+                if m == 0:
+                    if r < na:
+                        oa[0, _U(r)] = v + oa[0, _U(r)] if acca else v
+                elif m == 1:
+                    if r < nb:
+                        ob[0, _U(r)] = v + ob[0, _U(r)] if accb else v
+                elif r < nc:
+                    oc[0, _U(r)] = v + oc[0, _U(r)] if accc else v
+
+    _KERNELS[key] = dense
+    return dense
+
+
+def _gate_up_fn(tg: tuple, tu: tuple, k: int, rows: int):
+    """The experts' gate and up matrices with SwiGLU in the epilogue, over VRAM slots (memoized)."""
+    key = ("gate_up", tg, tu, k, rows)
+    if key in _KERNELS:
+        return _KERNELS[key]
+    dg, du = _dot_rows(*tg, rows), _dot_rows(*tu, rows)
+    rows2 = 2 * rows  # local array sizes must be constants of the kernel, not expressions in it
+    ch, nch = _chunks(k)
+    cu, nunits = ch // UNIT, k // UNIT
+    warps, nthr = MV_WARPS, MV_WARPS * LANES
 
     @cuda.jit(cache=True)
-    def matvec(w8, wv, wh, rb, nunits, nrows, x, out, ntok, accum):
-        """out[t] (+)= W . x[t] for t < ntok; W's rows are consecutive at byte stride rb. Warps take
-        groups of rows, grid-stride."""
-        sh = cuda.shared.array(_SH, float32)
+    def gate_up(w8g, wvg, whg, w8u, wvu, whu, slot_bytes, off_g, off_u, rbg, rbu, nrows, slot_of, ids, x, h,
+                ntok):
+        xs = cuda.shared.array(ch, float32)
+        red = cuda.shared.array(_RED, float32)
+        q = cuda.local.array(UNIT, float32)
+        xv = cuda.local.array(UNIT, float32)
+        s = cuda.local.array(4, float32)
+        mn = cuda.local.array(4, float32)
+        sx = cuda.local.array(4, float32)
+        acc = cuda.local.array(rows2, float32)  # gate rows, then up rows
+        tid = cuda.threadIdx.x
+        lane = tid & LANE_MASK
+        kk = ids.shape[1]
+        r0 = (cuda.blockIdx.x * warps + (tid >> WARP_SHIFT)) * rows
+        for i in range(cuda.blockIdx.y, ntok * kk, cuda.gridDim.y):
+            t = i // kk
+            slot = slot_of[_U(ids[_U(t), _U(i - t * kk)])]
+            if slot >= 0:  # the same for the whole block: its barriers are safe
+                base = slot * slot_bytes
+                for o in range(rows2):
+                    acc[o] = _ZERO
+                for c in range(nch):
+                    cuda.syncthreads()
+                    for j in range(tid, ch, nthr):
+                        if c * ch + j < k:
+                            xs[j] = x[_U(t), _U(c * ch + j)]
+                    cuda.syncthreads()
+                    u0 = c * cu
+                    u1 = min(nunits, u0 + cu)
+                    dg(w8g, wvg, whg, base + off_g, rbg, r0, nrows - 1, u0, u1, xs, c * ch, q, s, mn, xv, sx, acc, 0)
+                    du(w8u, wvu, whu, base + off_u, rbu, r0, nrows - 1, u0, u1, xs, c * ch, q, s, mn, xv, sx, acc,
+                       rows)
+                _warp_reduce(acc, rows2, red)
+                if lane == 0:
+                    for o in range(rows):
+                        if r0 + o < nrows:
+                            g = acc[o]
+                            # exp's argument capped: silu(g) is 0 to float32 precision below -80 (no overflow)
+                            h[_U(i), _U(r0 + o)] = g / (_ONE + float32(math.exp(min(-g, _EXP_CAP)))) * acc[rows + o]
+
+    _KERNELS[key] = gate_up
+    return gate_up
+
+
+def _down_fn(td: tuple, k: int, rows: int):
+    """The experts' down matrices, weighted and summed over a token's resident choices, added to the residual
+    stream in the epilogue (memoized)."""
+    key = ("down", td, k, rows)
+    if key in _KERNELS:
+        return _KERNELS[key]
+    dd = _dot_rows(*td, rows)
+    ch, nch = _chunks(k)
+    cu, nunits = ch // UNIT, k // UNIT
+    warps, nthr = MV_WARPS, MV_WARPS * LANES
+
+    @cuda.jit(cache=True)
+    def down(w8, wv, wh, slot_bytes, off, rb, nrows, slot_of, ids, wts, h, out, ntok):
+        xs = cuda.shared.array(ch, float32)
+        red = cuda.shared.array(_RED, float32)
         q = cuda.local.array(UNIT, float32)
         xv = cuda.local.array(UNIT, float32)
         s = cuda.local.array(4, float32)
         mn = cuda.local.array(4, float32)
         sx = cuda.local.array(4, float32)
         acc = cuda.local.array(rows, float32)
-        ngroups = (nrows + rows - 1) // rows
-        gw = cuda.blockIdx.x * warps + (cuda.threadIdx.x >> WARP_SHIFT)
+        accj = cuda.local.array(rows, float32)
+        tid = cuda.threadIdx.x
+        lane = tid & LANE_MASK
+        kk = ids.shape[1]
+        r0 = (cuda.blockIdx.x * warps + (tid >> WARP_SHIFT)) * rows
         for t in range(cuda.blockIdx.y, ntok, cuda.gridDim.y):
-            for g in range(gw, ngroups, cuda.gridDim.x * warps):
-                rows_dot(w8, wv, wh, 0, rb, nunits, g * rows, nrows, x, t, out, t, accum, sh, q, s, mn, xv, sx, acc)
+            for o in range(rows):
+                acc[o] = _ZERO
+            for j in range(kk):  # in choice order: deterministic
+                slot = slot_of[_U(ids[_U(t), _U(j)])]
+                if slot >= 0:  # the same for the whole block
+                    i = t * kk + j
+                    for o in range(rows):
+                        accj[o] = _ZERO
+                    for c in range(nch):
+                        cuda.syncthreads()
+                        for e in range(tid, ch, nthr):
+                            if c * ch + e < k:
+                                xs[e] = h[_U(i), _U(c * ch + e)]
+                        cuda.syncthreads()
+                        u0 = c * cu
+                        u1 = min(nunits, u0 + cu)
+                        dd(w8, wv, wh, slot * slot_bytes + off, rb, r0, nrows - 1, u0, u1, xs, c * ch, q, s, mn, xv,
+                           sx, accj, 0)
+                    wj = wts[_U(t), _U(j)]
+                    for o in range(rows):  # the weight distributes over the lanes' partial sums
+                        acc[o] += wj * accj[o]
+            _warp_reduce(acc, rows, red)
+            if lane == 0:
+                for o in range(rows):
+                    if r0 + o < nrows:
+                        out[_U(t), _U(r0 + o)] += acc[o]
 
-    @cuda.jit(cache=True)
-    def moe(w8, wv, wh, slot_bytes, mat_off, rb, nunits, nrows, slot_of, ids, x, x_per_entry, out, ntok):
-        """out[i] = W_s . x[i or t] for entries i = t*k + j whose expert has a slot s = slot_of[ids[t, j]] >= 0;
-        W_s is the matrix at byte s * slot_bytes + mat_off."""
-        sh = cuda.shared.array(_SH, float32)
-        q = cuda.local.array(UNIT, float32)
-        xv = cuda.local.array(UNIT, float32)
-        s = cuda.local.array(4, float32)
-        mn = cuda.local.array(4, float32)
-        sx = cuda.local.array(4, float32)
-        acc = cuda.local.array(rows, float32)
-        k = ids.shape[1]
-        ngroups = (nrows + rows - 1) // rows
-        gw = cuda.blockIdx.x * warps + (cuda.threadIdx.x >> WARP_SHIFT)
-        for i in range(cuda.blockIdx.y, ntok * k, cuda.gridDim.y):
-            t = i // k
-            slot = slot_of[_U(ids[_U(t), _U(i - t * k)])]
-            if slot >= 0:
-                xr = i if x_per_entry else t
-                for g in range(gw, ngroups, cuda.gridDim.x * warps):
-                    rows_dot(w8, wv, wh, slot * slot_bytes + mat_off, rb, nunits, g * rows, nrows, x, xr, out, i,
-                             0, sh, q, s, mn, xv, sx, acc)
-
-    _KERNELS[key] = (matvec, moe)
-    return matvec, moe
+    _KERNELS[key] = down
+    return down
 
 
 def _tiled_fn(qtype: int, word: int):
@@ -312,10 +473,18 @@ def _pairs(x):
         raise StrataError(f"GPU matmul: activations {x.shape} must be C-contiguous") from None
 
 
+def _mv_rows(total_rows: int) -> int:
+    """Rows per warp: MV_ROWS, or MV_ROWS_SMALL when that would leave the GPU with fewer than ~2 blocks per SM."""
+    return MV_ROWS if -(-total_rows // (MV_ROWS * MV_WARPS)) >= 264 else MV_ROWS_SMALL
+
+
 def matmul(qtype: int, w, x, out, ntok: int, stream, accumulate: bool = False) -> None:
     """out[t, r] (+)= dequant(w[r]) . x[t] for t < ntok. w u8[N, row_bytes], x f32[>=ntok, K], out f32[>=ntok, N]
     (device arrays). ntok == 1 runs the matrix-vector kernel, larger ntok the tiled one."""
     if ntok <= 0:
+        return
+    if ntok == 1:
+        matvec([(qtype, w, out, accumulate)], x, stream)
         return
     lay = _layout(qtype)
     _check_u8(w)
@@ -324,15 +493,46 @@ def matmul(qtype: int, w, x, out, ntok: int, stream, accumulate: bool = False) -
     _check_act("x", x, ntok, k)
     _check_act("out", out, ntok, nrows)
     w8, wv, wh, word = _views(w, lay.word4 and rb % 4 == 0)
-    nunits = k // UNIT
-    if ntok == 1:
-        grid = (min(-(-nrows // (MV_ROWS * MV_WARPS)), MAX_GRID_X), 1)
-        _matvec_fns(qtype, word)[0][grid, LANES * MV_WARPS, stream](w8, wv, wh, rb, nunits, nrows, _pairs(x), out,
-                                                                    ntok, int(accumulate))
-    else:
-        grid = (min(-(-nrows // (TILE_ROWS * TILE_WARPS)), MAX_GRID_X), min(-(-ntok // TILE_TOKS), MAX_GRID_Y))
-        _tiled_fn(qtype, word)[grid, LANES * TILE_WARPS, stream](w8, wv, wh, rb, nunits, nrows, _pairs(x), out,
-                                                                  ntok, int(accumulate))
+    grid = (min(-(-nrows // (TILE_ROWS * TILE_WARPS)), MAX_GRID_X), min(-(-ntok // TILE_TOKS), MAX_GRID_Y))
+    _tiled_fn(qtype, word)[grid, LANES * TILE_WARPS, stream](w8, wv, wh, rb, k // UNIT, nrows, _pairs(x), out,
+                                                              ntok, int(accumulate))
+
+
+def matvec(mats, x, stream, norm=None, eps: float = 0.0, x_out=None) -> None:
+    """For each (qtype, w, out, accumulate) of mats (one to three matrices of the same row length K):
+    out[0, r] (+)= dequant(w[r]) . xn, where xn = x[0] or, with norm (f32[K]), rmsnorm(x[0]) * norm (eps as
+    cuda_kernels.ops.rmsnorm); x_out f32[>=1, K], if given with norm, receives xn. One launch."""
+    if not 1 <= len(mats) <= 3:
+        raise StrataError(f"GPU matvec: 1 to 3 matrices per launch, got {len(mats)}")
+    if norm is None and x_out is not None:
+        raise StrataError("GPU matvec: x_out is the normalized row; it needs a norm")
+    args, types, k, blocks, total = [], [], None, [], 0
+    for qtype, w, out, accumulate in mats:
+        lay = _layout(qtype)
+        _check_u8(w)
+        nrows, rb = w.shape
+        kk = _row_elems(qtype, rb)
+        if k is not None and kk != k:
+            raise StrataError(f"GPU matvec: matrices of one launch must share the row length ({k} vs {kk})")
+        k = kk
+        _check_act("out", out, 1, nrows)
+        w8, wv, wh, word = _views(w, lay.word4 and rb % 4 == 0)
+        types.append((qtype, word))
+        args.append((w8, wv, wh, rb, nrows, out, int(accumulate)))
+        total += nrows
+    _check_act("x", x, 1, k)
+    rows = _mv_rows(total)
+    blocks = [-(-a[4] // (rows * MV_WARPS)) for a in args]
+    while len(args) < 3:  # absent matrices: no blocks
+        args.append(args[0])
+        blocks.append(0)
+    if norm is not None and norm.shape[0] != k:
+        raise StrataError(f"GPU matvec: norm weight of {norm.shape[0]} for rows of {k}")
+    nw = norm if norm is not None else x[0]
+    xo = x_out if x_out is not None else x
+    fn = _dense_fn(tuple(types), k, rows, norm is not None)
+    fn[sum(blocks), LANES * MV_WARPS, stream](x, nw, float(eps), xo, int(x_out is not None),
+                                              *args[0], blocks[0], *args[1], blocks[1], *args[2])
 
 
 def embed(qtype: int, table, tokens, out, ntok: int, stream) -> None:
@@ -353,29 +553,55 @@ def embed(qtype: int, table, tokens, out, ntok: int, stream) -> None:
     _embed_fn(qtype, word)[grid, EMBED_THREADS, stream](w8, wv, wh, rb, nunits, nrows, tokens, out, ntok)
 
 
-def moe_slots(qtype: int, slots, mat_off: int, nrows: int, row_bytes: int, slot_of, ids, x, x_per_entry: bool,
-              out, ntok: int, stream) -> None:
-    """The selected experts' matmul over VRAM slots, all entries in one launch: for entry i = t*k + j whose
-    expert has a slot s = slot_of[ids[t, j]] >= 0, out[i, r] = W_s[r] . (x[i] if x_per_entry else x[t]), W_s
-    the nrows x row_bytes matrix at byte mat_off of slots[s]. Entries of non-resident experts are left as they
-    were. slots u8[n_slots, slot_bytes], slot_of int32[E], ids int32[>=ntok, k], out f32[>=ntok*k, nrows]."""
-    if ntok <= 0:
-        return
+def _slot_views(slots, qtype: int, mat_off: int, nrows: int, row_bytes: int):
+    """The weight views of one matrix inside every expert slot (at byte mat_off of each), and its word size."""
     lay = _layout(qtype)
     _check_u8(slots)
-    k = _row_elems(qtype, row_bytes)
     slot_bytes = slots.shape[1]
     if mat_off < 0 or mat_off % 2 or row_bytes % 2 or slot_bytes % 2 or mat_off + nrows * row_bytes > slot_bytes:
-        raise StrataError(f"GPU moe_slots: matrix at byte {mat_off} ({nrows} x {row_bytes} bytes) does not fit "
+        raise StrataError(f"GPU experts: matrix at byte {mat_off} ({nrows} x {row_bytes} bytes) does not fit "
                           f"2-aligned in slots of {slot_bytes} bytes")
-    nent = ntok * ids.shape[1]
+    return _views(slots, lay.word4 and row_bytes % 4 == 0 and mat_off % 4 == 0 and slot_bytes % 4 == 0)
+
+
+def moe_gate_up(gate, up, slots, nrows: int, slot_of, ids, x, h, ntok: int, stream) -> None:
+    """h[i, r] = silu(G_s[r] . x[t]) * (U_s[r] . x[t]) for every entry i = t*k + j whose expert has a VRAM slot
+    s = slot_of[ids[t, j]] >= 0; other entries keep what they held. gate, up: (qtype, byte offset in a slot,
+    row bytes) of the nrows x K matrices; slots u8[n_slots, slot_bytes]; slot_of int32[E]; ids int32[>=ntok, k];
+    x f32[>=ntok, K]; h f32[>=ntok*k, nrows]."""
+    if ntok <= 0:
+        return
+    (qg, og, rbg), (qu, ou, rbu) = gate, up
+    k = _row_elems(qg, rbg)
+    if _row_elems(qu, rbu) != k:
+        raise StrataError("GPU experts: gate and up rows differ in length")
+    w8g, wvg, whg, wdg = _slot_views(slots, qg, og, nrows, rbg)
+    w8u, wvu, whu, wdu = _slot_views(slots, qu, ou, nrows, rbu)
     if ids.shape[0] < ntok:
-        raise StrataError(f"GPU moe_slots: ids has {ids.shape[0]} rows for {ntok} tokens")
-    _check_act("x", x, nent if x_per_entry else ntok, k)
-    _check_act("out", out, nent, nrows)
-    w8, wv, wh, word = _views(slots, lay.word4 and row_bytes % 4 == 0 and mat_off % 4 == 0 and slot_bytes % 4 == 0)
-    nunits = k // UNIT
-    grid = (min(-(-nrows // (MV_ROWS * MV_WARPS)), MAX_GRID_X), min(nent, MAX_GRID_Y))
-    _matvec_fns(qtype, word)[1][grid, LANES * MV_WARPS, stream](w8, wv, wh, slot_bytes, mat_off, row_bytes, nunits,
-                                                             nrows, slot_of, ids, _pairs(x), bool(x_per_entry), out,
-                                                             ntok)
+        raise StrataError(f"GPU experts: ids has {ids.shape[0]} rows for {ntok} tokens")
+    nent = ntok * ids.shape[1]
+    _check_act("x", x, ntok, k)
+    _check_act("h", h, nent, nrows)
+    rows = _mv_rows(nrows * nent)
+    grid = (-(-nrows // (rows * MV_WARPS)), min(nent, MAX_GRID_Y))
+    _gate_up_fn((qg, wdg), (qu, wdu), k, rows)[grid, LANES * MV_WARPS, stream](
+        w8g, wvg, whg, w8u, wvu, whu, slots.shape[1], og, ou, rbg, rbu, nrows, slot_of, ids, x, h, ntok)
+
+
+def moe_down(down, slots, nrows: int, slot_of, ids, wts, h, out, ntok: int, stream) -> None:
+    """out[t, r] += sum over j (in order) of wts[t, j] * (D_s[r] . h[t*k + j]) over the choices whose expert has a
+    VRAM slot s = slot_of[ids[t, j]] >= 0. down: (qtype, byte offset in a slot, row bytes) of the nrows x F
+    matrix; h f32[>=ntok*k, F]; wts f32[>=ntok, k]; out f32[>=ntok, nrows] (the residual stream)."""
+    if ntok <= 0:
+        return
+    qd, od, rbd = down
+    f = _row_elems(qd, rbd)
+    w8, wv, wh, wd = _slot_views(slots, qd, od, nrows, rbd)
+    if ids.shape[0] < ntok or wts.shape[0] < ntok or wts.shape[1] != ids.shape[1]:
+        raise StrataError(f"GPU experts: ids {ids.shape} / weights {wts.shape} do not fit {ntok} tokens")
+    _check_act("h", h, ntok * ids.shape[1], f)
+    _check_act("out", out, ntok, nrows)
+    rows = _mv_rows(nrows * ntok)
+    grid = (-(-nrows // (rows * MV_WARPS)), min(ntok, MAX_GRID_Y))
+    _down_fn((qd, wd), f, rows)[grid, LANES * MV_WARPS, stream](w8, wv, wh, slots.shape[1], od, rbd, nrows,
+                                                                 slot_of, ids, wts, h, out, ntok)

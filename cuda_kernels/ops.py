@@ -1,4 +1,5 @@
-"""Elementwise, norm, rope, routing and combine kernels on float32 device arrays (the GPU twins of cpu_kernels/ops.py).
+"""Elementwise, norm, QK-norm + rope + KV append, and routing kernels on float32 device arrays (the GPU twins of
+cpu_kernels/ops.py).
 
 Every kernel has a launch helper that takes device arrays, static sizes and a stream; helpers never allocate, copy or
 synchronize (they are captured into CUDA graphs), and every per-token value (the position) is read from a device
@@ -102,82 +103,143 @@ def rope_mult(n_rot: int, base: float, freq_scale: float, ext_factor: float, cor
     return mult, mscale
 
 
+# -- QK-norm + rope + KV append (the attention block's elementwise part, one launch) ---------------------------
+
+QK_NONE, QK_HEAD, QK_FULL = 0, 1, 2  # no QK-norm, per head (weights [head_dim]), over all heads (weights [H*hd])
+_MAX_HD = 256
+_QK_WARPS = 1 if _sim() else 4
+_QK_LANES = 1 if _sim() else 32
+_QK_SHIFT = (_QK_LANES - 1).bit_length()
+_QK_THREADS = _QK_WARPS * _QK_LANES  # array shapes must be module constants, not expressions in the kernel
+
+if _sim():
+    @cuda.jit(device=True)
+    def _warp_sum(v):
+        return v  # one-lane warps
+
+    @cuda.jit(device=True)
+    def _syncwarp():
+        return
+else:
+    @cuda.jit(device=True)
+    def _warp_sum(v):
+        for m in (16, 8, 4, 2, 1):
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, m)
+        return v
+
+    @cuda.jit(device=True)
+    def _syncwarp():
+        cuda.syncwarp()
+
+
 @cuda.jit(cache=True)
-def _rope_k(x, n_head, head_dim, n_rot, mult, mscale, neox, pos0, ntok):
+def _qk_rope_kv_k(q, k, v, qw, kw, mode, eps, mult, mscale, neox, n_rot, n_head, n_kv, hd, kc, vc, pos0, ntok):
     cs = cuda.shared.array(_MAX_HALF, np.float32)
     sn = cuda.shared.array(_MAX_HALF, np.float32)
+    hb = cuda.shared.array((_QK_WARPS, _MAX_HD), np.float32)
+    red = cuda.shared.array(_QK_THREADS, np.float32)
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
+    lane = tid & (_QK_LANES - 1)
+    w = tid >> _QK_SHIFT
     half = n_rot // 2
+    one = np.float32(1.0)
     for t in range(cuda.blockIdx.x, ntok, cuda.gridDim.x):
-        p = np.float64(pos0[0] + t)
+        p = pos0[0] + t
         for i in range(tid, half, nt):
-            th = p * mult[i]
+            th = np.float64(p) * mult[i]
             cs[i] = np.float32(math.cos(th) * mscale)
             sn[i] = np.float32(math.sin(th) * mscale)
+        invq = one
+        invk = one
+        if mode == QK_FULL:  # as rmsnorm over the whole q (k) row
+            ss = np.float32(0.0)
+            for i in range(tid, n_head * hd, nt):
+                x = q[t, i]
+                ss += x * x
+            tot = block_sum(red, ss)
+            invq = one / np.float32(math.sqrt(np.float64(tot) / (n_head * hd) + eps))
+            ss = np.float32(0.0)
+            for i in range(tid, n_kv * hd, nt):
+                x = k[t, i]
+                ss += x * x
+            tot = block_sum(red, ss)
+            invk = one / np.float32(math.sqrt(np.float64(tot) / (n_kv * hd) + eps))
         cuda.syncthreads()
-        for idx in range(tid, n_head * half, nt):
-            h = idx // half
-            i = idx - h * half
-            if neox:
-                a = h * head_dim + i
-                b = a + half
-            else:
-                a = h * head_dim + 2 * i
-                b = a + 1
-            x0 = x[t, a]
-            x1 = x[t, b]
-            c = cs[i]
-            s = sn[i]
-            x[t, a] = x0 * c - x1 * s
-            x[t, b] = x0 * s + x1 * c
+        for hh in range(w, n_head + n_kv, nt >> _QK_SHIFT):  # a warp per head
+            is_q = hh < n_head
+            h = hh if is_q else hh - n_head
+            base = h * hd
+            src = q if is_q else k
+            nwt = qw if is_q else kw
+            inv = invq if is_q else invk
+            if mode == QK_HEAD:
+                ss = np.float32(0.0)
+                for d in range(lane, hd, _QK_LANES):
+                    x = src[t, base + d]
+                    ss += x * x
+                ss = _warp_sum(ss)
+                inv = one / np.float32(math.sqrt(np.float64(ss) / hd + eps))
+            for d in range(lane, hd, _QK_LANES):
+                x = src[t, base + d]
+                if mode == QK_HEAD:
+                    x = x * inv * nwt[d]
+                elif mode == QK_FULL:
+                    x = x * inv * nwt[base + d]
+                hb[w, d] = x
+            _syncwarp()
+            for i in range(lane, half, _QK_LANES):
+                if neox:
+                    a = i
+                    b = i + half
+                else:
+                    a = 2 * i
+                    b = a + 1
+                x0 = hb[w, a]
+                x1 = hb[w, b]
+                c = cs[i]
+                s = sn[i]
+                if is_q:
+                    q[t, base + a] = x0 * c - x1 * s
+                    q[t, base + b] = x0 * s + x1 * c
+                else:  # float32 -> float16 (round to nearest)
+                    kc[h, p, a] = x0 * c - x1 * s
+                    kc[h, p, b] = x0 * s + x1 * c
+            for d in range(n_rot + lane, hd, _QK_LANES):
+                if is_q:
+                    q[t, base + d] = hb[w, d]
+                else:
+                    kc[h, p, d] = hb[w, d]
+            _syncwarp()
+        for idx in range(tid, n_kv * hd, nt):
+            h = idx // hd
+            kc_d = idx - h * hd
+            vc[h, p, kc_d] = v[t, idx]
         cuda.syncthreads()
 
 
-def rope(x, n_head: int, head_dim: int, n_rot: int, mult, mscale: float, neox: bool, pos0, ntok: int,
-         stream) -> None:
-    """Rotate x f32[>=ntok, n_head*head_dim] in place: token t at position pos0[0] + t, pair i by the angle
-    float64(pos) * mult[i] (mult f64[n_rot/2] from rope_mult), cos/sin scaled by mscale. neox pairs (i, i+n_rot/2),
-    else (2i, 2i+1); dims >= n_rot untouched."""
-    if n_rot // 2 > _MAX_HALF or n_rot > head_dim:
-        raise StrataError(f"rope: n_rot {n_rot} unsupported (head_dim {head_dim}, at most {2 * _MAX_HALF})")
+def qk_rope_kv(q, k, v, q_norm, k_norm, mode: int, eps: float, mult, mscale: float, neox: bool, n_rot: int,
+               n_head: int, n_kv: int, head_dim: int, kc, vc, pos0, ntok: int, stream) -> None:
+    """The attention block's elementwise part for ntok tokens at positions pos0[0] + t, in one launch: QK-norm
+    (mode QK_HEAD: rmsnorm of each head with weights f32[head_dim]; QK_FULL: of the whole q / k row with weights
+    f32[H*hd] / f32[Hkv*hd]; QK_NONE: none, the weights unused), rope of q and k (as rope()), q rotated in place,
+    the rotated k and v appended to the float16 caches kc, vc [Hkv, ctx, hd] (as kv_append()). q f32[>=ntok,
+    H*hd]; k, v f32[>=ntok, Hkv*hd]."""
+    if n_rot // 2 > _MAX_HALF or n_rot > head_dim or head_dim > _MAX_HD:
+        raise StrataError(f"qk_rope_kv: n_rot {n_rot} / head_dim {head_dim} unsupported (head_dim at most {_MAX_HD})")
     if ntok <= 0:
         return
-    b, t = _launch_rows(ntok, 128)
-    _rope_k[b, t, stream](x, n_head, head_dim, n_rot, mult, float(mscale), bool(neox), pos0, ntok)
-
-
-# -- KV cache append --------------------------------------------------------------------------------------------
-
-@cuda.jit(cache=True)
-def _kv_append_k(k, v, kc, vc, pos0, ntok):
-    nkv = kc.shape[0]
-    hd = kc.shape[2]
-    row = nkv * hd
-    p0 = pos0[0]
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    for idx in range(start, ntok * row, stride):
-        t = idx // row
-        r = idx - t * row
-        h = r // hd
-        d = r - h * hd
-        kc[h, p0 + t, d] = k[t, r]  # float32 -> float16 (round to nearest)
-        vc[h, p0 + t, d] = v[t, r]
-
-
-def kv_append(k, v, kc, vc, pos0, ntok: int, stream) -> None:
-    """kc[h, pos0[0]+t, :] = k[t, h*hd:(h+1)*hd] (and vc from v) for t < ntok; k, v f32[>=ntok, Hkv*hd];
-    kc, vc f16[Hkv, ctx, hd]. The caller keeps pos0[0] + ntok <= ctx."""
-    if ntok <= 0:
-        return
-    b, t = _launch_1d(ntok * kc.shape[0] * kc.shape[2])
-    _kv_append_k[b, t, stream](k, v, kc, vc, pos0, ntok)
+    blocks = min(2, ntok) if _sim() else min(ntok, 65535)
+    _qk_rope_kv_k[blocks, _QK_THREADS, stream](q, k, v, q_norm, k_norm, int(mode), float(eps), mult,
+                                                          float(mscale), bool(neox), int(n_rot), int(n_head),
+                                                          int(n_kv), int(head_dim), kc, vc, pos0, ntok)
 
 
 # -- routing --------------------------------------------------------------------------------------------------------
 
 @cuda.jit(cache=True)
-def _route_topk_k(logits, k, renorm, scale, ids, wts, ntok):
+def _route_topk_k(logits, k, renorm, scale, ids, wts, ntok, pub, x, slot_of, mb_x, mb_ids, mb_wts, mb_slot, done,
+                  counter, mb_seq):
     buf = cuda.shared.array(_RED, np.float32)
     p = cuda.shared.array(_MAX_EXPERTS, np.float32)
     tid = cuda.threadIdx.x
@@ -220,17 +282,45 @@ def _route_topk_k(logits, k, renorm, scale, ids, wts, ntok):
                     wj = wj / wsum
                 wts[t, j] = wj * sc
         cuda.syncthreads()
+        if pub:  # the host's copy: the MoE input row, the choices and each choice's VRAM slot (-1: the CPU's)
+            for i in range(tid, x.shape[1], nt):
+                mb_x[t, i] = x[t, i]
+            for j in range(tid, k, nt):
+                e = ids[t, j]
+                mb_ids[t, j] = e
+                mb_wts[t, j] = wts[t, j]
+                mb_slot[t, j] = slot_of[e]
+    if pub:  # the last block to finish rings: counter += 1, written to the host after every block's rows
+        cuda.threadfence_system()
+        cuda.syncthreads()
+        if tid == 0:
+            if cuda.atomic.add(done, 0, 1) == cuda.gridDim.x - 1:
+                done[0] = 0
+                counter[0] += 1
+                cuda.threadfence_system()
+                mb_seq[0] = counter[0]
+                cuda.threadfence_system()
 
 
-def route_topk(logits, k: int, renorm: bool, scale: float, ids, wts, ntok: int, stream) -> None:
+def route_topk(logits, k: int, renorm: bool, scale: float, ids, wts, ntok: int, stream, publish=None) -> None:
     """Softmax over the experts of each token, the top k (ties to the lower id) in descending order, optionally
-    renormalized to sum 1, times scale. logits f32[>=ntok, E]; ids int32[>=ntok, k]; wts f32[>=ntok, k]."""
+    renormalized to sum 1, times scale. logits f32[>=ntok, E]; ids int32[>=ntok, k]; wts f32[>=ntok, k].
+    publish: None, or (x, slot_of, mailbox arrays, done, counter) to hand the layer to the host in the same
+    launch: the MoE input rows x f32[>=ntok, D], ids, weights and each choice's slot slot_of[id] go to the mapped
+    mailbox (x, ids, wts, slot), then the last block bumps the device counter int64[1] and writes it to the
+    mailbox's seq (done: an int32[1] scratch counter, zero between launches)."""
     if logits.shape[1] > _MAX_EXPERTS or not 0 < k <= logits.shape[1]:
         raise StrataError(f"route_topk: {logits.shape[1]} experts, k={k} unsupported (at most {_MAX_EXPERTS})")
     if ntok <= 0:
         return
     b, t = _launch_rows(ntok, 128)
-    _route_topk_k[b, t, stream](logits, k, bool(renorm), float(scale), ids, wts, ntok)
+    if publish is None:
+        z = ids[:1, :1]  # placeholders of the right types, never touched
+        pub = (0, wts[:1], z[0], wts[:1], z, wts[:1, :1], z, z[0], z[0], z[0])
+    else:
+        x, slot_of, mb, done, counter = publish
+        pub = (1, x, slot_of, mb["x"], mb["ids"], mb["wts"], mb["slot"], done, counter, mb["seq"])
+    _route_topk_k[b, t, stream](logits, k, bool(renorm), float(scale), ids, wts, ntok, *pub)
 
 
 # -- elementwise ----------------------------------------------------------------------------------------------------
@@ -243,7 +333,7 @@ def _swiglu_k(g, u, out, nrows):
         r = idx // f
         i = idx - r * f
         x = g[r, i]
-        out[r, i] = x / (np.float32(1.0) + np.float32(math.exp(-x))) * u[r, i]
+        out[r, i] = x / (np.float32(1.0) + np.float32(math.exp(min(-x, np.float32(80.0))))) * u[r, i]
 
 
 def swiglu(g, u, out, nrows: int, stream) -> None:
@@ -288,30 +378,6 @@ def add_bias(x, b, ntok: int, stream) -> None:
         return
     nb, t = _launch_1d(ntok * x.shape[1])
     _add_bias_k[nb, t, stream](x, b, ntok)
-
-
-@cuda.jit(cache=True)
-def _moe_combine_k(out, y, wts, ids, slot_of, ntok):
-    d = out.shape[1]
-    k = ids.shape[1]
-    start, stride = cuda.grid(1), cuda.gridsize(1)
-    for idx in range(start, ntok * d, stride):
-        t = idx // d
-        i = idx - t * d
-        acc = out[t, i]
-        for j in range(k):  # in slot order, as the CPU twin: deterministic
-            if slot_of[ids[t, j]] >= 0:
-                acc += wts[t, j] * y[t * k + j, i]
-        out[t, i] = acc
-
-
-def moe_combine(out, y, wts, ids, slot_of, ntok: int, stream) -> None:
-    """out[t] += sum over j (in order) of wts[t, j] * y[t*k + j] for the entries whose expert is resident
-    (slot_of[ids[t, j]] >= 0). out f32[>=ntok, D]; y f32[>=ntok*k, D]; wts f32[T, k]; ids int32[T, k]."""
-    if ntok <= 0:
-        return
-    b, t = _launch_1d(ntok * out.shape[1])
-    _moe_combine_k[b, t, stream](out, y, wts, ids, slot_of, ntok)
 
 
 @cuda.jit(cache=True)

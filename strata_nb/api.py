@@ -157,30 +157,31 @@ def pick_device(device: str, vram_budget: float | None = None) -> tuple[str, str
     return picked
 
 
-def gpu_needs(g: GGUFFile, spec: ModelSpec, n_ctx: int) -> tuple[int, int, int]:
-    """(dense weights, float16 KV cache, activation buffers) in bytes of device memory."""
+def gpu_needs(g: GGUFFile, spec: ModelSpec, n_ctx: int, kv_type: str = "f16") -> tuple[int, int, int]:
+    """(dense weights, KV cache, activation buffers) in bytes of device memory."""
     from strata_nb.runtime import gpu_backend
 
     needs = memory_needs(g, spec, n_ctx)
-    return (needs.dense_bytes, gpu_backend.kv_bytes(spec, n_ctx),
+    return (needs.dense_bytes, gpu_backend.kv_bytes(spec, n_ctx, kv_type),
             gpu_backend.scratch_bytes(spec, min(GPU_PROMPT_TOKENS, n_ctx), n_ctx))
 
 
-def gpu_fixed_bytes(path: str | os.PathLike, n_ctx: int) -> int:
+def gpu_fixed_bytes(path: str | os.PathLike, n_ctx: int, kv_type: str = "f16") -> int:
     """VRAM the hybrid engine needs before any expert slot (a --vram-budget below this is refused)."""
     from strata_nb.plan import GPU_RUNTIME_BYTES
 
     g, spec = open_model(path)
-    return sum(gpu_needs(g, spec, n_ctx)) + GPU_RUNTIME_BYTES
+    return sum(gpu_needs(g, spec, n_ctx, kv_type)) + GPU_RUNTIME_BYTES
 
 
-def plan_gpu(g: GGUFFile, spec: ModelSpec, src, n_ctx: int, vram_budget: float | None) -> GPUPlan:
+def plan_gpu(g: GGUFFile, spec: ModelSpec, src, n_ctx: int, vram_budget: float | None,
+             kv_type: str = "f16") -> GPUPlan:
     """Expert slots per MoE layer from the device's free memory (or vram_budget) after the fixed part."""
     from strata_nb.experts.vram_cache import slot_layout
     from strata_nb.runtime.cuda_rt import device_memory
 
     free, total = device_memory()
-    dense, kv, scratch = gpu_needs(g, spec, n_ctx)
+    dense, kv, scratch = gpu_needs(g, spec, n_ctx, kv_type)
     slot_bytes = {l: slot_layout(src, l).slot_bytes for l in src.layers} if src is not None else {}
     return make_gpu_plan(free=free, total=total, dense=dense, kv=kv, scratch=scratch,
                          experts=memory_needs(g, spec, n_ctx).expert_bytes, slot_bytes=slot_bytes,
@@ -210,7 +211,8 @@ class Engine:
 
     experts: "auto" (in place when they fit the RAM budget, else tiered), "mmap" (always in place: the A/B arm)
     or "tiered" (resident arena + SSD reads, even when everything fits). ram_budget / vram_budget in bytes
-    (None: automatic). expert_profile: a routing profile to fill the arena hottest-first. lookahead_k: experts per
+    (None: automatic). kv_type: the hybrid engine's KV cache, "f16" (as llama.cpp) or "f32".
+    expert_profile: a routing profile to fill the arena hottest-first. lookahead_k: experts per
     token predicted for the next layer and read ahead (0: off; default top-k + 2).
     """
 
@@ -219,7 +221,8 @@ class Engine:
                  ram_budget: float | None = None, vram_budget: float | None = None,
                  expert_profile: str | os.PathLike | None = None, lookahead_k: int | None = None,
                  reader_threads: int = 8, read_timeout_s: float = 60.0, adapt_every: int = 4, machine: Machine | None = None,
-                 gpu_timeout_s: float = 60.0, progress: Callable[[int, int], None] | None = None):
+                 gpu_timeout_s: float = 60.0, kv_type: str = "f16",
+                 progress: Callable[[int, int], None] | None = None):
         t0 = time.perf_counter()
         from strata_nb.experts.profile import RoutingProfile
         from strata_nb.experts.source import open_experts
@@ -248,7 +251,7 @@ class Engine:
                        else RoutingProfile.for_spec(self.spec))
         self.plan, layouts = plan_memory(self.gguf, self.spec, src, self.n_ctx, experts=experts,
                                          ram_budget=ram_budget, machine=machine)
-        self.gpu_plan = (plan_gpu(self.gguf, self.spec, src, self.n_ctx, vram_budget)
+        self.gpu_plan = (plan_gpu(self.gguf, self.spec, src, self.n_ctx, vram_budget, kv_type)
                          if self.device == "cuda" else None)
         # Loading proper: the resident experts are read (tiered) or uploaded (hybrid) from here on.
         self.store = None
@@ -269,7 +272,7 @@ class Engine:
             self.backend = GPUBackend(self.spec, self.weights, self.store, n_ctx=self.n_ctx,
                                       vram_slots=self.gpu_plan.slots, fast=fast,
                                       ntok_max=GPU_PROMPT_TOKENS, timeout_s=gpu_timeout_s,
-                                      adapt_every=adapt_every, progress=progress)
+                                      adapt_every=adapt_every, kv_type=kv_type, progress=progress)
         else:
             self.backend = CPUBackend(self.spec, self.weights, self.store, fast=fast)
         self.load_s = self.model.open_s + time.perf_counter() - t0

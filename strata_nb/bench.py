@@ -23,6 +23,7 @@ class RunTimes:
     decode_s: float
     decode_steps: int
     bytes_per_token: float = float("nan")
+    expert_bytes_per_token: float = float("nan")  # of bytes_per_token: the routed experts' weights
 
 
 class StrataRunner:
@@ -38,7 +39,8 @@ class StrataRunner:
 
         res = self.engine.generate(prompt, n_gen, SamplerConfig(temperature=0.0))
         # A run that stops early (an end-of-generation id) would flatter nobody: decode stays per step.
-        return RunTimes(res.prompt_s, res.decode_s, res.decode_steps, res.bytes_per_token)
+        return RunTimes(res.prompt_s, res.decode_s, res.decode_steps, res.bytes_per_token,
+                        res.expert_bytes / res.decode_steps if res.decode_steps else float("nan"))
 
 
 _LOG_SINK = None  # llama.cpp keeps the ctypes callback pointer: it must outlive every call
@@ -154,6 +156,7 @@ def run_bench(model: str, *, n_prompt: int = 128, n_gen: int = 64, threads: int 
                        f"{t.decode_steps / t.decode_s:8.2f} tok/s", err=True)
     bw, bwm = _median(bw_anon), _median(bw_map)
     bpt = _median([t.bytes_per_token for t in times["strata-nb"]])
+    ebpt = _median([t.expert_bytes_per_token for t in times["strata-nb"]])
     rows = []
     med = {}
     for name, ts in times.items():
@@ -172,6 +175,9 @@ def run_bench(model: str, *, n_prompt: int = 128, n_gen: int = 64, threads: int 
         "",
         f"Read bandwidth measured between the repetitions (parallel sums, {threads} threads): anonymous memory "
         f"{bw:.1f} GB/s, the model file's page-cache mapping (4 KiB pages) {bwm:.1f} GB/s.",
+        "",
+        f"Weights read per decoded token: {bpt / 1e6:.1f} MB, of which routed experts {ebpt / 1e6:.1f} MB "
+        f"({100 * ebpt / bpt:.0f}%).",
         "",
         "| engine | prompt tok/s | decode tok/s | MB read/token | achieved GB/s | of anonymous-memory bandwidth "
         "| of mapped-file bandwidth |",

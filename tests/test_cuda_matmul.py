@@ -6,7 +6,8 @@ legacy types quantized from random floats with gguf.quants.quantize; K-quants (g
 random bytes with finite fp16 scales of random sign, so every quant and packed-scale bit pattern occurs.
 Outputs start as sentinels, so rows and tokens a kernel must not touch are checked too.
 Tolerances (float32 accumulation in another order than numpy's float64 / the njit twin):
-  matmul, moe_slots  |err| <= 1e-5 * sum_k |w_k x_k| + 1e-6 per output
+  matmul, matvec, moe_down  |err| <= 1e-5 * sum_k |w_k x_k| + 1e-6 per output
+  moe_gate_up        that bound on each of gate and up, propagated through silu(g) * u
   embed              |err| <= 1e-6 * |w| + 1e-6 * max|row| (the GPU may fuse scale*q - min into one fma;
                      gguf-py and the CPU twin round the product first)
 """
@@ -23,7 +24,8 @@ from gguf.quants import dequantize, quantize
 from numba import cuda
 
 from strata_nb.cpu_kernels.matmul import dequant_rows, matmul_f32
-from strata_nb.cpu_kernels.qtypes import FLOAT_TYPES, Q4_K, Q6_K, QUANT_INFO, SUPPORTED, row_bytes
+from strata_nb.cpu_kernels.ops import rmsnorm as cpu_rmsnorm
+from strata_nb.cpu_kernels.qtypes import F32, Q4_K, Q6_K, Q8_0, QUANT_INFO, SUPPORTED, row_bytes
 from strata_nb.cuda_kernels import matmul as mm
 from strata_nb.errors import StrataError
 
@@ -144,40 +146,111 @@ def test_embed_token_outside_table_leaves_row():
     assert (got[1:] == SENTINEL).all()
 
 
+def _slots_with(qtype: int, mats: dict, slot_of: np.ndarray, rng, offsets: tuple[int, ...], rb: tuple[int, ...]):
+    """Slots holding each resident expert's matrices (mats[e] = [matrix per offset]) at the given byte offsets,
+    padded with garbage bytes."""
+    end = max(o + m.nbytes for o, m in zip(offsets, next(iter(mats.values()))))
+    slot_bytes = -(-(end + 10) // 4) * 4
+    slots = rng.integers(0, 256, (int(slot_of.max()) + 1, slot_bytes), dtype=np.uint8)
+    for e, s_ in enumerate(slot_of):
+        if s_ >= 0:
+            for o, m in zip(offsets, mats[e]):
+                slots[s_, o:o + m.nbytes] = m.reshape(-1)
+    return slots
+
+
+MOE_IDS = np.array([[1, 0, 3], [5, 4, 1]], np.int32)  # entries 1 and 3 (experts 0 and 5) have no slot
+MOE_SLOT_OF = np.array([-1, 2, -1, 0, 1, -1], np.int32)
+
+
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("x_per_entry,mat_off", [(False, 66), (True, 128)], ids=["shared-x-off66", "entry-x-off128"])
-def test_moe_slots(qtype, x_per_entry, mat_off):
-    """Six experts, three resident in slots (in another order than their ids), two tokens choosing three
-    experts each; entries of experts without a slot keep their sentinel. The matrix sits at a 2-aligned offset
-    (uint16 loads) or a 4-aligned one (uint32 loads where the type allows) inside slots padded with garbage."""
-    rng = np.random.default_rng(300 + qtype + mat_off)
-    n_exp, n, k = 6, 3, k_of(qtype)
+@pytest.mark.parametrize("off", [66, 128], ids=["off66", "off128"])
+def test_moe_gate_up(qtype, off):
+    """Six experts, three resident in slots (in another order than their ids), two tokens choosing three each:
+    h = silu(G x) * (U x) per resident entry; the others keep their sentinel. The matrices sit at 2-aligned
+    (uint16 loads) or 4-aligned offsets (uint32 loads where the type allows) inside slots padded with garbage."""
+    rng = np.random.default_rng(300 + qtype + off)
+    n, k = 5, k_of(qtype)
     rb = row_bytes(qtype, k)
-    slot_of = np.array([-1, 2, -1, 0, 1, -1], np.int32)
-    ids = np.array([[1, 0, 3], [5, 4, 1]], np.int32)  # entries 1 and 3 (experts 0 and 5) have no slot
-    ntok, kk = ids.shape
-    mats = [random_rows(qtype, n, k, rng) for _ in range(n_exp)]
-    slot_bytes = -(-(mat_off + n * rb + 10) // 4) * 4
-    slots = rng.integers(0, 256, (3, slot_bytes), dtype=np.uint8)
-    for e, s in enumerate(slot_of):
-        if s >= 0:
-            slots[s, mat_off:mat_off + n * rb] = mats[e].reshape(-1)
-    nent = ntok * kk
-    x = rng.standard_normal((nent if x_per_entry else ntok, k)).astype(np.float32)
-    out = cuda.to_device(np.full((nent, n), SENTINEL, np.float32))
-    mm.moe_slots(qtype, cuda.to_device(slots), mat_off, n, rb, cuda.to_device(slot_of), cuda.to_device(ids),
-                 cuda.to_device(x), x_per_entry, out, ntok, 0)
-    got = out.copy_to_host()
+    mats = {e: [random_rows(qtype, n, k, rng), random_rows(qtype, n, k, rng)] for e in range(6)}
+    og, ou = off, off + n * rb + 2 * (off % 4 == 2)
+    slots = _slots_with(qtype, mats, MOE_SLOT_OF, rng, (og, ou), (rb, rb))
+    ntok, kk = MOE_IDS.shape
+    x = rng.standard_normal((ntok, k)).astype(np.float32)
+    h = cuda.to_device(np.full((ntok * kk, n), SENTINEL, np.float32))
+    mm.moe_gate_up((qtype, og, rb), (qtype, ou, rb), cuda.to_device(slots), n, cuda.to_device(MOE_SLOT_OF),
+                   cuda.to_device(MOE_IDS), cuda.to_device(x), h, ntok, 0)
+    got = h.copy_to_host()
     for t in range(ntok):
         for j in range(kk):
-            i = t * kk + j
-            e = ids[t, j]
-            if slot_of[e] < 0:
+            i, e = t * kk + j, MOE_IDS[t, j]
+            if MOE_SLOT_OF[e] < 0:
                 assert (got[i] == SENTINEL).all(), (t, j)
                 continue
-            wf = dequant(qtype, mats[e])
-            xi = x[i if x_per_entry else t].astype(np.float64)
-            assert_close(got[i], wf @ xi, np.abs(wf) @ np.abs(xi))
+            gf, uf = dequant(qtype, mats[e][0]), dequant(qtype, mats[e][1])
+            xt = x[t].astype(np.float64)
+            g, u = gf @ xt, uf @ xt
+            want = g / (1 + np.exp(-g)) * u
+            # the bound of each product's factors, propagated: |d(silu(g) u)| <= |silu'(g)| |dg| |u| + |silu(g)| |du|
+            eg, eu = 1e-5 * (np.abs(gf) @ np.abs(xt)) + 1e-6, 1e-5 * (np.abs(uf) @ np.abs(xt)) + 1e-6
+            bound = 1.1 * eg * np.abs(u) + np.abs(g / (1 + np.exp(-g))) * eu + 1e-6
+            assert (np.abs(got[i] - want) <= bound).all(), (t, j)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_moe_down(qtype):
+    """out[t] += sum_j w[t, j] * D_e h[t*k+j] over the resident choices, in place on the residual stream."""
+    rng = np.random.default_rng(400 + qtype)
+    n, f = 6, k_of(qtype)
+    rb = row_bytes(qtype, f)
+    mats = {e: [random_rows(qtype, n, f, rng)] for e in range(6)}
+    slots = _slots_with(qtype, mats, MOE_SLOT_OF, rng, (70,), (rb,))
+    ntok, kk = MOE_IDS.shape
+    h = rng.standard_normal((ntok * kk, f)).astype(np.float32)
+    wts = rng.uniform(0.1, 1.0, (ntok, kk)).astype(np.float32)
+    base = rng.standard_normal((ntok + 1, n)).astype(np.float32)
+    out = cuda.to_device(base)
+    mm.moe_down((qtype, 70, rb), cuda.to_device(slots), n, cuda.to_device(MOE_SLOT_OF), cuda.to_device(MOE_IDS),
+                cuda.to_device(wts), cuda.to_device(h), out, ntok, 0)
+    got = out.copy_to_host()
+    for t in range(ntok):
+        want, mag = base[t].astype(np.float64), np.abs(base[t]).astype(np.float64)
+        for j in range(kk):
+            e = MOE_IDS[t, j]
+            if MOE_SLOT_OF[e] >= 0:
+                df = dequant(qtype, mats[e][0])
+                want = want + wts[t, j] * (df @ h[t * kk + j])
+                mag = mag + wts[t, j] * (np.abs(df) @ np.abs(h[t * kk + j]))
+        assert_close(got[t], want, mag)
+    assert (got[ntok] == base[ntok]).all()
+
+
+@pytest.mark.parametrize("qtype", [pytest.param(q, id=QUANT_INFO[q][0]) for q in (Q4_K, Q6_K, Q8_0, F32)])
+def test_matvec_fused_norm_three_matrices(qtype):
+    """Three matrices (different row counts, accumulate on the second) on one RMS-normalized row in one launch,
+    the normalized row written out; against rmsnorm then numpy."""
+    rng = np.random.default_rng(500 + qtype)
+    k = 2 * k_of(qtype)
+    ns = (7, 3, 5)
+    ws = [random_rows(qtype, n, k, rng) for n in ns]
+    x = (rng.standard_normal((1, k)) * 3).astype(np.float32)
+    nw = rng.standard_normal(k).astype(np.float32)
+    xn = np.empty_like(x)
+    cpu_rmsnorm(x, nw, np.float32(1e-6), xn)
+    outs = [cuda.to_device(np.full((1, n), SENTINEL, np.float32)) for n in ns]
+    base = rng.standard_normal((1, ns[1])).astype(np.float32)
+    outs[1] = cuda.to_device(base)
+    xo = cuda.to_device(np.zeros((1, k), np.float32))
+    mm.matvec([(qtype, cuda.to_device(w), o, i == 1) for i, (w, o) in enumerate(zip(ws, outs))], cuda.to_device(x),
+              0, norm=cuda.to_device(nw), eps=1e-6, x_out=xo)
+    np.testing.assert_allclose(xo.copy_to_host(), xn, rtol=2e-6, atol=2e-6)
+    for i, (w, o) in enumerate(zip(ws, outs)):
+        wf = dequant(qtype, w)
+        want = xn.astype(np.float64) @ wf.T
+        mag = np.abs(xn).astype(np.float64) @ np.abs(wf).T
+        if i == 1:
+            want, mag = want + base, mag + np.abs(base)
+        assert_close(o.copy_to_host(), want, 2 * mag)  # 2x: xn itself carries float32 rounding
 
 
 def test_bad_arguments_raise():

@@ -76,18 +76,31 @@ ROPE_CASES = {
 }
 
 
+def _qk_rope_kv(q, k, v, qn, kn, mode, eps, mult, mscale, neox, n_rot, kc0, vc0, pos0, stream, kv=np.float16):
+    """Run qk_rope_kv on copies; returns (q, kc, vc) from the device."""
+    ntok = q.shape[0]
+    dq, kc, vc = dev(q), dev(kc0.astype(kv)), dev(vc0.astype(kv))
+    gops.qk_rope_kv(dq, dev(k), dev(v), dev(qn), dev(kn), mode, eps, dev(mult), mscale, neox, n_rot, H, HKV, HD,
+                    kc, vc, pos_dev(pos0), ntok, stream)
+    return dq.copy_to_host(), kc.copy_to_host(), vc.copy_to_host()
+
+
 @pytest.mark.parametrize("neox", [False, True])
 @pytest.mark.parametrize("case", sorted(ROPE_CASES))
 def test_rope_matches_rope_tables(case: str, neox: bool, stream) -> None:
+    """qk_rope_kv without QK-norm: q rotated in place, k rotated into the cache at the tokens' positions, as the
+    CPU twin rope_tables + rope_apply (cos/sin at float32 precision); dims past n_rot untouched."""
     n_rot, base, fs, ext, attn, lo, hi, with_ff = ROPE_CASES[case]
     r = rng(1)
     ff = (1.0 + r.random(n_rot // 2) * 7.0) if with_ff else np.ones(n_rot // 2)
     ntok, pos0 = 3, 29
-    x = r.standard_normal((ntok, H * HD)).astype(np.float32)
+    q = r.standard_normal((ntok, H * HD)).astype(np.float32)
+    k = r.standard_normal((ntok, HKV * HD)).astype(np.float32)
     positions = np.arange(pos0, pos0 + ntok, dtype=np.float64)
     cos, sin = cpu.rope_tables(positions, n_rot, base, fs, ext, attn, lo, hi, ff)
-    want = x.reshape(ntok, H, HD).copy()
-    cpu.rope_apply(want, cos, sin, neox)
+    want_q, want_k = q.reshape(ntok, H, HD).copy(), k.reshape(ntok, HKV, HD).copy()
+    cpu.rope_apply(want_q, cos, sin, neox)
+    cpu.rope_apply(want_k, cos, sin, neox)
 
     mult, mscale = gops.rope_mult(n_rot, base, fs, ext, lo, hi, ff if with_ff else None, attn)
     # the host multipliers reproduce rope_tables' angles (cos/sin at float32 precision)
@@ -95,27 +108,54 @@ def test_rope_matches_rope_tables(case: str, neox: bool, stream) -> None:
     np.testing.assert_allclose(np.cos(th) * mscale, cos, rtol=0, atol=2e-6)
     np.testing.assert_allclose(np.sin(th) * mscale, sin, rtol=0, atol=2e-6)
 
-    dx = dev(x)
-    gops.rope(dx, H, HD, n_rot, dev(mult), mscale, neox, pos_dev(pos0), ntok, stream)
-    got = dx.copy_to_host().reshape(ntok, H, HD)
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
-    np.testing.assert_array_equal(got[:, :, n_rot:], x.reshape(ntok, H, HD)[:, :, n_rot:])
+    z = np.zeros((HKV, CTX, HD), np.float32)
+    one = np.ones(HD, np.float32)
+    got, kc, _ = _qk_rope_kv(q, k, k, one, one, gops.QK_NONE, 1e-6, mult, mscale, neox, n_rot, z, z, pos0, stream,
+                             kv=np.float32)
+    got = got.reshape(ntok, H, HD)
+    np.testing.assert_allclose(got, want_q, rtol=0, atol=2e-5)
+    np.testing.assert_array_equal(got[:, :, n_rot:], q.reshape(ntok, H, HD)[:, :, n_rot:])
+    np.testing.assert_allclose(kc[:, pos0:pos0 + ntok].transpose(1, 0, 2), want_k, rtol=0, atol=2e-5)
 
 
-def test_kv_append(stream) -> None:
+@pytest.mark.parametrize("mode", ["head", "full"])
+def test_qk_norm_rope_kv_append(mode: str, stream) -> None:
+    """QK-norm per head or over the whole row, then rope (neox), k and v appended to float16 caches at pos0..:
+    against cpu.rmsnorm + rope_apply + kv_write, the caches rounded as the GPU stores them; other cache rows
+    keep their contents."""
     r = rng(2)
-    ntok, pos0 = 3, 5
-    k = r.standard_normal((ntok, HKV * HD)).astype(np.float32)
+    ntok, pos0, eps = 3, 5, 1e-6
+    q = (r.standard_normal((ntok, H * HD)) * 3).astype(np.float32)
+    k = (r.standard_normal((ntok, HKV * HD)) * 3).astype(np.float32)
     v = r.standard_normal((ntok, HKV * HD)).astype(np.float32)
+    wq = r.standard_normal(HD if mode == "head" else H * HD).astype(np.float32)
+    wk = r.standard_normal(HD if mode == "head" else HKV * HD).astype(np.float32)
+    nq, nk = np.empty_like(q), np.empty_like(k)
+    if mode == "head":
+        cpu.rmsnorm(q.reshape(-1, HD), wq, np.float32(eps), nq.reshape(-1, HD))
+        cpu.rmsnorm(k.reshape(-1, HD), wk, np.float32(eps), nk.reshape(-1, HD))
+    else:
+        cpu.rmsnorm(q, wq, np.float32(eps), nq)
+        cpu.rmsnorm(k, wk, np.float32(eps), nk)
+    positions = np.arange(pos0, pos0 + ntok, dtype=np.float64)
+    cos, sin = cpu.rope_tables(positions, HD, 1e6, 1.0, 0.0, 1.0, 0.0, 0.0, np.ones(HD // 2))
+    want_q, want_k = nq.reshape(ntok, H, HD), nk.reshape(ntok, HKV, HD)
+    cpu.rope_apply(want_q, cos, sin, True)
+    cpu.rope_apply(want_k, cos, sin, True)
     kc0 = r.standard_normal((HKV, CTX, HD)).astype(np.float16)
     vc0 = r.standard_normal((HKV, CTX, HD)).astype(np.float16)
-    kc, vc = dev(kc0), dev(vc0)
-    gops.kv_append(dev(k), dev(v), kc, vc, pos_dev(pos0), ntok, stream)
-    # the twin on float32 caches, then rounded as the GPU cache stores it
-    want_k, want_v = kc0.astype(np.float32), vc0.astype(np.float32)
-    cpu.kv_write(want_k, want_v, k.reshape(ntok, HKV, HD), v.reshape(ntok, HKV, HD), pos0)
-    np.testing.assert_array_equal(kc.copy_to_host(), want_k.astype(np.float16))
-    np.testing.assert_array_equal(vc.copy_to_host(), want_v.astype(np.float16))
+    want_kc, want_vc = kc0.astype(np.float32), vc0.astype(np.float32)
+    cpu.kv_write(want_kc, want_vc, want_k, v.reshape(ntok, HKV, HD), pos0)
+    mult, mscale = gops.rope_mult(HD, 1e6, 1.0, 0.0, 0.0, 0.0, None, 1.0)
+    mode_id = gops.QK_HEAD if mode == "head" else gops.QK_FULL
+    got, kc, vc = _qk_rope_kv(q, k, v, wq, wk, mode_id, eps, mult, mscale, True, HD, kc0, vc0, pos0, stream)
+    np.testing.assert_allclose(got.reshape(ntok, H, HD), want_q, rtol=1e-5, atol=1e-5)
+    # float16 storage: equal to the float32 twin rounded, within one half-ulp of the twin's own rounding noise
+    np.testing.assert_allclose(kc.astype(np.float32), want_kc.astype(np.float16).astype(np.float32),
+                               rtol=2e-3, atol=1e-5)
+    np.testing.assert_array_equal(vc, want_vc.astype(np.float16))
+    np.testing.assert_array_equal(kc[:, :pos0], kc0[:, :pos0])
+    np.testing.assert_array_equal(kc[:, pos0 + ntok:], kc0[:, pos0 + ntok:])
 
 
 def _cache(seed: int, n_head: int, n_kv: int, hd: int, fill: int):
@@ -188,6 +228,32 @@ def test_route_topk(renorm: bool, scale: float, stream) -> None:
     assert ids.copy_to_host()[0].tolist() == [2, 5]
 
 
+def test_route_topk_publishes_to_the_mailbox(stream) -> None:
+    """With publish, the same launch copies the MoE input rows, the choices and each choice's slot into the
+    mapped mailbox, and the last block bumps the counter and the mailbox's sequence number exactly once."""
+    from strata_nb.runtime.doorbell import Mailbox
+
+    r = rng(11)
+    ntok = 3
+    logits = (r.standard_normal((ntok, E)) * 2).astype(np.float32)
+    x = r.standard_normal((ntok, D)).astype(np.float32)
+    slot_of = np.full(E, -1, np.int32)
+    slot_of[[1, 2, 5]] = [0, 2, 1]
+    mb = Mailbox(4, D, K)
+    done, counter = dev(np.zeros(1, np.int32)), dev(np.array([41], np.int64))
+    ids, wts = cuda.device_array((ntok, K), np.int32), cuda.device_array((ntok, K), np.float32)
+    for seq in (42, 43):  # twice: the scratch counter is reset for the next launch
+        gops.route_topk(dev(logits), K, True, 1.0, ids, wts, ntok, stream,
+                        publish=(dev(x), dev(slot_of), mb.device, done, counter))
+        stream.synchronize()
+        assert mb.seq[0] == seq
+    np.testing.assert_array_equal(mb.x[:ntok], x)
+    np.testing.assert_array_equal(mb.ids[:ntok], ids.copy_to_host())
+    np.testing.assert_array_equal(mb.wts[:ntok], wts.copy_to_host())
+    np.testing.assert_array_equal(mb.slot[:ntok], slot_of[ids.copy_to_host()])
+    assert done.copy_to_host()[0] == 0 and counter.copy_to_host()[0] == 43
+
+
 def test_swiglu_and_add(stream) -> None:
     r = rng(8)
     g = (r.standard_normal((3, 40)) * 4).astype(np.float32)
@@ -208,28 +274,6 @@ def test_swiglu_and_add(stream) -> None:
     dx = dev(x)
     gops.add_bias(dx, dev(b), 2, stream)
     np.testing.assert_array_equal(dx.copy_to_host(), np.concatenate([x[:2] + b, x[2:]]))
-
-
-def test_moe_combine(stream) -> None:
-    r = rng(9)
-    ntok = 3
-    ids = r.choice(E, size=(ntok, K), replace=True).astype(np.int32)
-    ids[0] = [1, 6]
-    wts = r.random((ntok, K)).astype(np.float32)
-    y = r.standard_normal((ntok * K, D)).astype(np.float32)
-    out0 = r.standard_normal((ntok, D)).astype(np.float32)
-    slot_of = np.full(E, -1, np.int32)
-    slot_of[[1, 2, 3, 5]] = [0, 3, 1, 2]  # experts 0, 4, 6, 7 are not resident: skipped
-    resident = [(t, j) for t in range(ntok) for j in range(K) if slot_of[ids[t, j]] >= 0]
-    want = out0.copy()
-    # the twin over the resident entries, in (token, slot) order
-    rows = np.array([t * K + j for t, j in resident], np.int64)
-    cpu.moe_combine(y[rows], wts, np.array([t for t, _ in resident], np.int64),
-                    np.array([j for _, j in resident], np.int64), want)
-    dout = dev(out0)
-    gops.moe_combine(dout, dev(y), dev(wts), dev(ids), dev(slot_of), ntok, stream)
-    np.testing.assert_allclose(dout.copy_to_host(), want, rtol=1e-6, atol=1e-6)
-    assert not np.array_equal(want[0], out0[0] + wts[0, 0] * y[0] + wts[0, 1] * y[1])  # expert 6 really skipped
 
 
 def test_sigmoid_gate(stream) -> None:

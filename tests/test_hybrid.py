@@ -3,8 +3,13 @@ engine on the same file. Without a GPU this runs in numba's CUDA simulator (test
 "micro" model (hidden 64, Q8_0: the simulator interprets every GPU thread in Python); on the GPU machine the same
 tests run on the device, plus one on the tiny Q4_K_M model (every quant type of a Q4_K_M file).
 
-Tolerances: the GPU keeps the KV cache in float16 and sums in another order, so logits agree with the CPU
-engine's float32 reference within 2e-3 of the logits' spread (max abs difference / std), and the top token agrees.
+Tolerances (max abs difference of the logits / their std): with a float32 KV cache (kv_type="f32") the GPU only
+sums in another order than the CPU engine's float32 reference: within TOL = 2e-3, and the top tokens agree. The
+default float16 cache rounds every cached key and value by up to 2^-11 relative, which four layers carry to the
+logits: measured 0.6e-3 (micro) to 2.2e-3 (tiny mixtral) on an H200, bound TOL_F16 = 5e-3. The int8 fast path
+of the CPU pool is checked where it acts, per layer (its own float32-vs-int8 difference moves routing decisions
+downstream: the CPU engine's fast path alone departs from its reference by 0.13-1.9 on the tiny files, so an
+end-to-end bound would not measure the pool).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from strata_nb.runtime.sampler import SamplerConfig
 from strata_nb.synth import write_synthetic
 
 TOL = 2e-3
+TOL_F16 = 5e-3
 PROMPT = [5, 17, 101, 3, 250, 42, 7]
 CTX = 64
 
@@ -52,7 +58,7 @@ def reference(model):
     return np.concatenate(res.logits), res.tokens
 
 
-def budget_for(path, slots_per_layer: int) -> float:
+def budget_for(path, slots_per_layer: int, kv_type: str = "f16") -> float:
     """A --vram-budget giving this many expert slots per MoE layer."""
     from strata_nb.api import open_model
     from strata_nb.experts.source import open_experts
@@ -60,23 +66,23 @@ def budget_for(path, slots_per_layer: int) -> float:
     g, spec = open_model(path)
     src = open_experts(g)
     per_layer = sum(slot_layout(src, l).slot_bytes for l in src.layers)
-    return gpu_fixed_bytes(path, CTX) + slots_per_layer * per_layer + per_layer // 2
+    return gpu_fixed_bytes(path, CTX, kv_type) + slots_per_layer * per_layer + per_layer // 2
 
 
 def close(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / b.std())
 
 
-@pytest.mark.parametrize("slots", [0, 2, 4])  # no expert, half, every expert in VRAM
-def test_hybrid_logits_match_cpu_engine(model, reference, slots):
+@pytest.mark.parametrize("slots,kv", [(0, "f32"), (2, "f32"), (4, "f32"), (2, "f16")])  # none, half, all in VRAM
+def test_hybrid_logits_match_cpu_engine(model, reference, slots, kv):
     ref, toks = reference
-    eng = Engine(model, device="cuda", n_ctx=CTX, fast=False, vram_budget=budget_for(model, slots))
+    eng = Engine(model, device="cuda", n_ctx=CTX, fast=False, vram_budget=budget_for(model, slots, kv), kv_type=kv)
     try:
         assert set(eng.gpu_plan.slots.values()) == {slots}
         res = eng.generate(PROMPT, 3, SamplerConfig(temperature=0.0), keep_logits=True)
         got = np.concatenate(res.logits)
         assert got.shape == ref.shape
-        assert close(got, ref) < TOL
+        assert close(got, ref) < (TOL if kv == "f32" else TOL_F16)
         assert res.tokens == toks
         assert (got.argmax(1) == ref.argmax(1)).all()
     finally:
@@ -87,20 +93,56 @@ def test_hybrid_logits_match_cpu_engine(model, reference, slots):
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "olmoe", "mixtral"])
 def test_hybrid_architectures_q4_k_m_match_cpu(tmp_path, arch):
     """Every quant type of a Q4_K_M file and every architecture trait (QKV bias, gated shared expert, full
-    QK-norm, normal rope with YaRN) through the GPU kernels, half the experts in VRAM; the int8 fast CPU pool
-    too (1e-2: the CPU's int8 activations for the misses)."""
+    QK-norm, normal rope with YaRN) through the GPU kernels, half the experts in VRAM, both KV cache types."""
     path = tmp_path / "tiny.gguf"
     write_synthetic(path, "tiny", arch=arch, quant="Q4_K_M", seed=3)
     prompt = list(range(3, 60, 3))
     ref = Engine(path, device="cpu", n_ctx=CTX, fast=False).logits(prompt)
-    for fast, tol in ((False, TOL), (True, 1e-2)):
-        eng = Engine(path, device="cuda", n_ctx=CTX, fast=fast, vram_budget=budget_for(path, 4))
+    for kv, tol in (("f32", TOL), ("f16", TOL_F16)):
+        eng = Engine(path, device="cuda", n_ctx=CTX, fast=False, vram_budget=budget_for(path, 4, kv), kv_type=kv)
         try:
             got = eng.logits(prompt)
-            assert close(got, ref) < tol, fast
-            assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.9
+            assert close(got, ref) < tol, kv
+            assert (got.argmax(1) == ref.argmax(1)).all(), kv
         finally:
             eng.close()
+
+
+def test_fast_cpu_pool_is_the_cpu_engines_int8_path(model, monkeypatch):
+    """With the int8 kernels (fast=True), every layer's CPU pool result is exactly what a separate CPU engine's
+    routed-expert FFN computes with int8 activations from the published inputs (the choices held in VRAM left
+    out), and within int8 error of the float32 path."""
+    from strata_nb.runtime import gpu_backend
+    from strata_nb.runtime.cpu_backend import Activation, CPUBackend
+
+    seen = []
+    orig = gpu_backend.GPUBackend._cpu_pool
+
+    def pool(self, layer, T, stats):
+        mb = self.mb
+        inputs = (mb.x[:T].copy(), mb.ids[:T].copy(), mb.wts[:T].copy(), mb.slot[:T].copy())
+        dt = orig(self, layer, T, stats)
+        seen.append((layer, *inputs, mb.y[:T].copy()))
+        return dt
+
+    monkeypatch.setattr(gpu_backend.GPUBackend, "_cpu_pool", pool)
+    eng = Engine(model, device="cuda", n_ctx=CTX, fast=True, vram_budget=budget_for(model, 2))
+    try:
+        eng.generate(PROMPT, 2, SamplerConfig(temperature=0.0))
+        fast = CPUBackend(eng.spec, eng.weights, eng.store, fast=True)
+        slow = CPUBackend(eng.spec, eng.weights, eng.store, fast=False)
+    finally:
+        eng.close()
+    assert len(seen) == 2 * 2  # 2 forwards (prompt, one decode) x 2 MoE layers
+    assert any((slot < 0).any() and (slot >= 0).any() for _, _, _, _, slot, _ in seen)  # hits and misses mixed
+    for layer, x, ids, wts, slot, y in seen:
+        miss = np.where(slot >= 0, -1, ids).astype(np.int64)
+        want = np.zeros_like(y)
+        fast.routed_experts(layer, Activation(x), miss, wts, want, record=False)
+        np.testing.assert_array_equal(y, want)
+        f32 = np.zeros_like(y)
+        slow.routed_experts(layer, Activation(x), miss, wts, f32, record=False)
+        assert np.abs(y - f32).max() <= 2e-2 * np.abs(f32).max()
 
 
 def test_device_sampler_gives_the_cpu_engines_tokens(model):

@@ -18,8 +18,10 @@ from gguf.quants import dequantize
 from numba import njit
 
 from strata_nb.cpu_kernels.actq import quantize
-from strata_nb.cpu_kernels.matmul import dequant_rows, matmul_f32, matmul_q8, moe_matmul
-from strata_nb.cpu_kernels.qtypes import FLOAT_TYPES, Q8_0, QUANT_INFO, SUPPORTED, row_bytes
+from strata_nb.cpu_kernels.matmul import dequant_rows, matmul_f32, matmul_q8, moe_matmul, specialize
+from strata_nb.cpu_kernels.qtypes import (
+    BF16, F16, FLOAT_TYPES, Q4_K, Q5_0, Q6_K, Q8_0, QUANT_INFO, SUPPORTED, row_bytes,
+)
 from strata_nb.cpu_kernels.rowdot import dot_q8
 
 ROWS = 37  # two full 16-row tasks and a partial one
@@ -50,11 +52,22 @@ def gguf_matrix(qtype: int, w: np.ndarray) -> np.ndarray:
     return dequantize(w.reshape(-1), gt).astype(np.float64).reshape(w.shape[0], -1)
 
 
-@njit(cache=True)
+def _make_rowwise_q8(QT):
+    @njit(cache=True)
+    def rowwise_q8(w, xq, xd, xs, out):
+        for t in range(xq.shape[0]):
+            for r in range(w.shape[0]):
+                out[t, r] = dot_q8(QT, w[r], xq[t], xd[t], xs[t])
+
+    return rowwise_q8
+
+
+_rowwise_q8_for = specialize(_make_rowwise_q8)
+
+
 def _rowwise_q8(qtype, w, xq, xd, xs, out):
-    for t in range(xq.shape[0]):
-        for r in range(w.shape[0]):
-            out[t, r] = dot_q8(qtype, w[r], xq[t], xd[t], xs[t])
+    """The single-token row kernel called per (row, token): what the drivers must reproduce bit for bit."""
+    _rowwise_q8_for(int(qtype))(w, xq, xd, xs, out)
 
 
 def check_close(got: np.ndarray, want: np.ndarray, scale: np.ndarray, rtol: float) -> None:
@@ -179,26 +192,99 @@ def test_dequant_rows(qtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("driver", ["matmul_q8", "moe_matmul"])
+@pytest.mark.parametrize("driver", ["matmul_for", "moe_matmul_for", "moe_ffn_for"])
 def test_drivers_compile_parallel(driver):
     """A raise reaching a prange body (say, through an inlined dispatch) makes numba run the loop serially with
-    only a warning; compile a fresh copy with warnings as errors so that regression fails here."""
+    only a warning; compile a fresh copy of each specialized driver with warnings as errors so that regression
+    fails here."""
     import warnings
 
     from numba.core.errors import NumbaPerformanceWarning
 
     from strata_nb.cpu_kernels import matmul
 
-    fresh = njit(parallel=True)(getattr(matmul, driver).py_func)
-    w = random_matrix(Q8_0, 16, K, np.random.default_rng(0))
+    make = getattr(matmul, driver).make
+    fresh = njit(parallel=True)((make(True, Q8_0, Q8_0, Q8_0) if driver == "moe_ffn_for" else make(True, Q8_0)).py_func)
+    w = random_matrix(Q8_0, 32, K, np.random.default_rng(0))
     x = np.zeros((1, K), np.float32)
     xq, xd, xs = quantize(x)
-    out = np.zeros((1, 16), np.float32)
+    out = np.zeros((1, 32), np.float32)
+    p = np.array([w.ctypes.data], np.int64)
+    zero, one = np.zeros(1, np.int64), np.ones(1, np.int64)
     with warnings.catch_warnings():
         warnings.simplefilter("error", NumbaPerformanceWarning)
-        if driver == "matmul_q8":
-            fresh(Q8_0, w, x, xq, xd, xs, out)
-        else:
-            one = np.zeros(1, np.int64)
-            fresh(True, Q8_0, np.array([w.ctypes.data], np.int64), 16, w.shape[1], np.zeros(1, np.int64),
-                  np.ones(1, np.int64), np.zeros(1, np.int64), x, xq, xd, xs, out)
+        if driver == "matmul_for":
+            fresh(w, x, xq, xd, xs, out)
+        elif driver == "moe_matmul_for":
+            fresh(p, 32, w.shape[1], zero, one, zero, x, xq, xd, xs, out)
+        else:  # a 32 x 256 gate/up, a 256 x 32 "down" read from the same bytes (only the control flow matters)
+            hq, hd, hs = quantize(np.zeros((1, 32), np.float32))
+            fresh(p, p, p, 32, w.shape[1], w.shape[1], K, 34, zero, one, zero, zero, x, xq, xd, xs,
+                  np.zeros((1, 32), np.float32), np.zeros((1, 32), np.float32), np.zeros((1, 32), np.float32),
+                  hq, hd, hs, np.zeros((1, K), np.float32), True, np.ones((1, 1), np.float32), zero,
+                  np.zeros((1, K), np.float32))
+
+
+MOE_TYPES = [pytest.param(True, (Q8_0, Q8_0, Q8_0), id="fast-Q8_0"),
+             pytest.param(True, (Q4_K, Q4_K, Q6_K), id="fast-Q4_K-Q6_K"),
+             pytest.param(True, (Q4_K, Q5_0, Q8_0), id="fast-gate-up-differ"),
+             pytest.param(True, (F16, F16, BF16), id="fast-F16-BF16"),
+             pytest.param(False, (Q4_K, Q4_K, Q6_K), id="f32-Q4_K-Q6_K")]
+
+
+@pytest.mark.parametrize("fast,types", MOE_TYPES)
+def test_moe_ffn_matches_the_grouped_calls(fast, types):
+    """moe_ffn (gate+up, SwiGLU + int8 quantization, down and the weighted combine in one call per wave) against
+    the calls it replaces: moe_matmul for gate, up and down, ops.swiglu_quant (ops.silu_mul on the float path)
+    and ops.moe_combine. Bit-identical, for one wave and for the same experts split into three waves in another
+    order (as the tiered store hands them over), with negative ids (GPU hits) skipped."""
+    from strata_nb.cpu_kernels import ops
+    from strata_nb.cpu_kernels.matmul import moe_ffn_for
+
+    qg, qu, qd = types
+    hidden, ff, n_exp, ntok, k = 256, 512, 6, 5, 3
+    rng = np.random.default_rng(sum(types) + fast)
+    mats = [[random_matrix(q, rows, cols, rng) for q, rows, cols in ((qg, ff, hidden), (qu, ff, hidden),
+                                                                      (qd, hidden, ff))] for _ in range(n_exp)]
+    flat = np.concatenate([m.reshape(-1) for e in mats for m in e])
+    flat.setflags(write=False)
+    sizes = [m.size for e in mats for m in e]
+    offs = np.concatenate([[0], np.cumsum(sizes)])[:-1].reshape(n_exp, 3) + flat.ctypes.data
+    ids = np.array([rng.choice(n_exp, k, replace=False) for _ in range(ntok)], np.int64)
+    ids[1, 2] = ids[3, 0] = -1
+    wts = rng.uniform(0.1, 1.0, (ntok, k)).astype(np.float32)
+    x = rng.standard_normal((ntok, hidden)).astype(np.float32)
+    xq, xd, xs = quantize(x)
+    experts, grp_start, entry_tok, entry_slot = ops.group_by_expert(ids, n_exp)
+    n = entry_tok.size
+    lo, hi = grp_start[:-1], grp_start[1:]
+    rb = [m.shape[1] for m in mats[0]]
+
+    g, u = np.full((n, ff), np.nan, np.float32), np.full((n, ff), np.nan, np.float32)
+    moe_matmul(fast, qg, offs[experts, 0], ff, rb[0], lo, hi, entry_tok, x, xq, xd, xs, g)
+    moe_matmul(fast, qu, offs[experts, 1], ff, rb[1], lo, hi, entry_tok, x, xq, xd, xs, u)
+    h = np.empty_like(g)
+    hq, hd, hs = quantize(np.zeros((n, ff), np.float32))
+    if fast:
+        ops.swiglu_quant(g, u, h, hq, hd, hs)
+    else:
+        ops.silu_mul(g, u, h)
+    y = np.full((n, hidden), np.nan, np.float32)
+    moe_matmul(fast, qd, offs[experts, 2], hidden, rb[2], lo, hi, np.arange(n), h, hq, hd, hs, y)
+    want = rng.standard_normal((ntok, hidden)).astype(np.float32)
+    got0 = want.copy()
+    ops.moe_combine(y, wts, entry_tok, entry_slot, want)
+
+    kern = moe_ffn_for(fast, qg, qu, qd)
+    perm = rng.permutation(len(experts))
+    for waves in ([np.arange(len(experts))], [perm[:2], perm[2:3], perm[3:]]):
+        cap = n + 3
+        buf = (np.arange(cap), *(np.full((cap, ff), np.nan, np.float32) for _ in range(3)),
+               *quantize(np.zeros((cap, ff), np.float32)), np.full((cap, hidden), np.nan, np.float32))
+        got = got0.copy()
+        for i, grp in enumerate(waves):
+            kern(offs[experts[grp], 0], offs[experts[grp], 1], offs[experts[grp], 2], ff, rb[0], rb[1], hidden,
+                 rb[2], grp_start[grp], grp_start[grp + 1], entry_tok, buf[0], x, xq, xd, xs, *buf[1:],
+                 i == len(waves) - 1, wts, entry_slot, got)
+        np.testing.assert_array_equal(buf[-1][:n], y)
+        np.testing.assert_array_equal(got, want)

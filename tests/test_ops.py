@@ -181,3 +181,23 @@ def test_swiglu_quant():
     np.testing.assert_array_equal(h, ref)
     for a, b in zip((hq, hd, hs), actq.quantize(ref)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_pool_split():
+    """ops.pool_split against the numpy it replaces in the hybrid engine's CPU pool (np.unique of all choices,
+    np.where(hit, -1, ids), the distinct missed experts, the hit count); buffers reused with stale contents."""
+    rng = np.random.default_rng(7)
+    ne = 16
+    experts, counts, missed = (np.full(ne, 99, np.int64) for _ in range(3))
+    for ntok, k in ((1, 4), (3, 4), (5, 2)):
+        ids = np.array([rng.choice(ne, k, replace=False) for _ in range(ntok)], np.int32)
+        slot = np.where(rng.random((ntok, k)) < 0.5, rng.integers(0, 8, (ntok, k)), -1).astype(np.int32)
+        masked = np.full((ntok, k), 77, np.int32)
+        g, m, nh, nm = ops.pool_split(ids, slot, masked, experts, counts, missed)
+        uniq, cnt = np.unique(ids, return_counts=True)
+        hit = slot >= 0
+        np.testing.assert_array_equal(masked, np.where(hit, -1, ids))
+        np.testing.assert_array_equal(experts[:g], uniq)
+        np.testing.assert_array_equal(counts[:g], cnt)
+        np.testing.assert_array_equal(missed[:m], np.unique(ids[~hit]))
+        assert (nh, nm) == (int(hit.sum()), int((~hit).sum()))

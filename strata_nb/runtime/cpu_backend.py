@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from strata_nb.cpu_kernels import actq, ops
-from strata_nb.cpu_kernels.matmul import dequant_rows, matmul_f32, matmul_q8, moe_matmul
+from strata_nb.cpu_kernels.matmul import dequant_rows, matmul_f32, matmul_q8, moe_ffn_for
 from strata_nb.experts.store import ExpertStore, MappedStore
 from strata_nb.model.spec import ModelSpec
 from strata_nb.model.weights import LayerWeights, Linear, ModelWeights
@@ -60,6 +60,19 @@ class CPUBackend:
         moe = [i for i, lw in enumerate(weights.layers) if lw.router is not None]
         self._next_moe = dict(zip(moe, moe[1:]))
         self._qk_mode = {"none": ops.QK_NORM_NONE, "head": ops.QK_NORM_HEAD, "full": ops.QK_NORM_FULL}[spec.qk_norm]
+        # Per MoE layer: the routed-expert kernel specialized for its quant types, and its matrix geometry.
+        self._moe: dict[int, tuple] = {}
+        self._scratch: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
+        self._act_q: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        if experts is not None:
+            src = experts.src
+            for l in moe:
+                mg, mu, md = src.matrix(l, "gate"), src.matrix(l, "up"), src.matrix(l, "down")
+                if mg.rows != mu.rows or md.rows != spec.n_embd:
+                    raise ValueError(f"layer {l}: expert matrices of {mg.rows}, {mu.rows} and {md.rows} rows")
+                kern = moe_ffn_for(bool(fast), int(mg.qtype), int(mu.qtype), int(md.qtype))
+                self._moe[l] = (kern, mg.rows, mg.row_bytes, mu.row_bytes, md.rows, md.row_bytes,
+                                mg.nbytes + mu.nbytes + md.nbytes)
 
     # -- building blocks ----------------------------------------------------------------------------------
     def linear(self, m: Linear, a: Activation) -> np.ndarray:
@@ -72,6 +85,18 @@ class CPUBackend:
         if m.bias is not None:
             out += m.bias
         return out
+
+    def activation(self, x: np.ndarray) -> Activation:
+        """x f32[T, K] (C-contiguous) as an Activation whose int8 form is computed now into buffers kept per shape:
+        for callers outside the forward such as the hybrid engine's CPU pool (no allocation per layer); valid
+        until the next call with the same shape."""
+        if not self.fast or x.shape[1] % 32:
+            return Activation(x)
+        q = self._act_q.get(x.shape)
+        if q is None:
+            q = self._act_q[x.shape] = Activation.empty_q(*x.shape)
+        actq.quantize_rows(x, *q)
+        return Activation(x, q)
 
     def norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         out = np.empty_like(x)
@@ -126,49 +151,44 @@ class CPUBackend:
                        out: np.ndarray, record: bool = True) -> None:
         """out[t] += sum over j of wts[t, j] * expert_{ids[t, j]}(a[t]); choices with a negative id are skipped
         (the hybrid engine computes those on the GPU). The CPU engine's MoE and the hybrid's CPU expert pool.
+        ids: i64 or i32 [T, k]; wts f32[T, k]; out f32[T, n_embd], C-contiguous.
         record: count the routing in the store's profile (the hybrid engine counts all choices itself)."""
-        s = self.spec
         t0 = time.perf_counter()
         # Group the (token, slot) pairs by expert: each selected expert's rows are read once for all its tokens.
-        experts, grp_start, entry_tok, entry_slot = ops.group_by_expert(ids, s.n_expert)
-        if len(experts) == 0:
+        experts, grp_start, entry_tok, entry_slot = ops.group_by_expert(ids, self.spec.n_expert)
+        ngrp = len(experts)
+        if ngrp == 0:
             return
         store = self.experts
         if record:
             store.routed(layer, experts, np.diff(grp_start))
-        n = entry_tok.shape[0]
-        src = store.src
-        mg, mu, md = src.matrix(layer, "gate"), src.matrix(layer, "up"), src.matrix(layer, "down")
+        kern, ff, gate_rb, up_rb, hidden, down_rb, nbytes = self._moe[layer]
+        buf = self._moe_scratch(ff, hidden, entry_tok.shape[0])
         xq, xd, xs = a.q() if self.fast else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
-        fused = (mg.qtype, mg.rows, mg.row_bytes) == (mu.qtype, mu.rows, mu.row_bytes)
-        gu = np.empty((2 * n, mg.rows), np.float32) if fused else None
-        g, u = (gu[:n], gu[n:]) if fused else (np.empty((n, mg.rows), np.float32), np.empty((n, mu.rows), np.float32))
-        y = np.empty((n, md.rows), np.float32)
-        down_tok = np.arange(n, dtype=np.int64)
-        # The store hands the experts over in waves as their bytes reach RAM; every entry's rows are computed
-        # the same way whichever wave it is in, and combined once below in a fixed order.
+        # The store hands the experts over in waves as their bytes reach RAM: one compiled call per wave runs
+        # gate+up, SwiGLU (+ int8 quantization) and down for the wave's entries; the call of the last wave also
+        # adds the weighted sum of every entry into out, in entry order, so which tier served an expert (and in
+        # which wave it came) never changes a bit of the result.
+        done = 0
         for wave in store.waves(layer, experts):
-            lo, hi = grp_start[wave.groups], grp_start[wave.groups + 1]
-            if fused:  # gate and up as one grouped call: one parallel region, twice the tasks to balance
-                moe_matmul(self.fast, mg.qtype, np.concatenate((wave.gate, wave.up)), mg.rows, mg.row_bytes,
-                           np.concatenate((lo, lo + n)), np.concatenate((hi, hi + n)),
-                           np.concatenate((entry_tok, entry_tok)), a.x, xq, xd, xs, gu)
-            else:
-                moe_matmul(self.fast, mg.qtype, wave.gate, mg.rows, mg.row_bytes, lo, hi, entry_tok, a.x, xq, xd,
-                           xs, g)
-                moe_matmul(self.fast, mu.qtype, wave.up, mu.rows, mu.row_bytes, lo, hi, entry_tok, a.x, xq, xd,
-                           xs, u)
-            if len(wave.groups) == len(experts):
-                ha, tok = self.swiglu(g, u), down_tok
-            else:
-                rows = np.concatenate([np.arange(i, j) for i, j in zip(lo, hi)])
-                ha, tok = self.swiglu(g[rows], u[rows]), np.empty(n, np.int64)
-                tok[rows] = np.arange(rows.size)
-            hq, hd, hs = ha.q() if self.fast else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
-            moe_matmul(self.fast, md.qtype, wave.down, md.rows, md.row_bytes, lo, hi, tok, ha.x, hq, hd, hs, y)
-        ops.moe_combine(y, wts, entry_tok, entry_slot, out)
+            grp = wave.groups
+            done += len(grp)
+            kern(wave.gate, wave.up, wave.down, ff, gate_rb, up_rb, hidden, down_rb, grp_start[grp],
+                 grp_start[grp + 1], entry_tok, buf[0], a.x, xq, xd, xs, *buf[1:], done == ngrp, wts, entry_slot, out)
         self.stats.expert_s += time.perf_counter() - t0
-        self.stats.expert_bytes += len(experts) * (mg.nbytes + mu.nbytes + md.nbytes)
+        self.stats.expert_bytes += ngrp * nbytes
+
+    def _moe_scratch(self, ff: int, hidden: int, n: int) -> tuple[np.ndarray, ...]:
+        """The routed-expert kernel's buffers for n entries (kept, grown when a batch needs more): the entries'
+        identity index, gate and up outputs, h with its int8 form, and the down outputs."""
+        buf = self._scratch.get((ff, hidden))
+        if buf is None or buf[0].shape[0] < n:
+            cap = max(n, 2 * self.spec.n_expert_used)
+            qf, qd, qs = Activation.empty_q(cap, ff) if ff % 32 == 0 else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
+            buf = (np.arange(cap, dtype=np.int64), np.empty((cap, ff), np.float32), np.empty((cap, ff), np.float32),
+                   np.empty((cap, ff), np.float32), qf, qd, qs, np.empty((cap, hidden), np.float32))
+            self._scratch[(ff, hidden)] = buf
+        return buf
 
     def moe(self, lw: LayerWeights, layer: int, a: Activation) -> np.ndarray:
         ids, wts = self.route(lw, a)

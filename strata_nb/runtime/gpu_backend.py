@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 from numba import cuda
 
+from strata_nb.cpu_kernels import ops as cops
 from strata_nb.cuda_kernels import attention as katt
 from strata_nb.cuda_kernels import mailbox as kmb
 from strata_nb.cuda_kernels import matmul as kmm
@@ -32,7 +33,7 @@ from strata_nb.experts.store import ExpertStore
 from strata_nb.experts.vram_cache import VRAMCache
 from strata_nb.model.spec import ModelSpec
 from strata_nb.model.weights import Linear, ModelWeights
-from strata_nb.runtime.cpu_backend import Activation, CPUBackend
+from strata_nb.runtime.cpu_backend import CPUBackend
 from strata_nb.runtime.cuda_rt import SIM, Graph
 from strata_nb.runtime.doorbell import DeviceThread, Mailbox
 from strata_nb.runtime.gpu_sampler import GPUSampler
@@ -75,14 +76,17 @@ def scratch_bytes(spec: ModelSpec, ntok: int, n_ctx: int) -> int:
     k = max(spec.n_expert_used, 1)
     f_sh = spec.n_ff_exp * 8 if spec.shared_expert else 0  # upper bound on a shared expert's width
     per_tok = (2 * spec.n_embd + 2 * spec.q_dim + 2 * spec.kv_dim + spec.n_expert + 2 * k + spec.n_vocab
-               + k * (3 * spec.n_ff_exp + spec.n_embd) + 3 * f_sh + spec.n_embd + 3 * spec.n_ff + 1) * 4
+               + k * spec.n_ff_exp + 3 * f_sh + spec.n_embd + 3 * spec.n_ff + 1) * 4
     n_split = katt.choose_n_split(n_ctx, spec.n_head_kv)
     return ntok * per_tok + spec.n_head * n_split * (spec.head_dim + 2) * 4
 
 
-def kv_bytes(spec: ModelSpec, n_ctx: int) -> int:
-    """The float16 KV cache on the device."""
-    return 2 * spec.n_layer * spec.n_head_kv * n_ctx * spec.head_dim * 2
+KV_TYPES = {"f16": np.float16, "f32": np.float32}  # the KV cache's element type on the device
+
+
+def kv_bytes(spec: ModelSpec, n_ctx: int, kv_type: str = "f16") -> int:
+    """The KV cache on the device (f16 by default, as llama.cpp; f32 for a reference-exact attention)."""
+    return 2 * spec.n_layer * spec.n_head_kv * n_ctx * spec.head_dim * np.dtype(KV_TYPES[kv_type]).itemsize
 
 
 @dataclass
@@ -115,6 +119,7 @@ class GPUBackend:
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, store: ExpertStore | None, *, n_ctx: int,
                  vram_slots: dict[int, int], fast: bool = True, ntok_max: int = 256, timeout_s: float = 60.0,
+                 kv_type: str = "f16",
                  adapt_every: int = 4, progress: Callable[[int, int], None] | None = None):
         self.spec = spec
         self.w = weights
@@ -122,8 +127,12 @@ class GPUBackend:
         self.n_ctx = n_ctx
         self.ntok_max = max(1, min(ntok_max, n_ctx))
         self.timeout_s = timeout_s
+        if kv_type not in KV_TYPES:
+            raise StrataError(f"unknown KV cache type {kv_type!r} (f16 or f32)")
+        self.kv_type = kv_type
         self.cpu = CPUBackend(spec, weights, store, fast=fast)  # the CPU expert pool (and its stats)
         self.stats = self.cpu.stats
+        self._dense_per_token = weights.dense_bytes_per_token()
         self.hybrid = HybridStats(routed=np.zeros((spec.n_layer, max(spec.n_expert, 1)), np.int64))
         self.device_line = ""
         self._warming = False  # a throwaway forward (warm_up): nothing is counted, admitted or adapted
@@ -152,10 +161,9 @@ class GPUBackend:
             # nothing reads after it). Garbage there is harmless on a GPU; the simulator's Python math raises on it.
             return cuda.to_device(np.zeros(shape, dt))
 
-        self.kc = [cuda.to_device(np.zeros((s.n_head_kv, self.n_ctx, s.head_dim), np.float16))
-                   for _ in range(s.n_layer)]
-        self.vc = [cuda.to_device(np.zeros((s.n_head_kv, self.n_ctx, s.head_dim), np.float16))
-                   for _ in range(s.n_layer)]
+        kvt = KV_TYPES[self.kv_type]
+        self.kc = [cuda.to_device(np.zeros((s.n_head_kv, self.n_ctx, s.head_dim), kvt)) for _ in range(s.n_layer)]
+        self.vc = [cuda.to_device(np.zeros((s.n_head_kv, self.n_ctx, s.head_dim), kvt)) for _ in range(s.n_layer)]
         self.x, self.xn, self.sy = z(tm, s.n_embd), z(tm, s.n_embd), z(tm, s.n_embd)
         self.q, self.att = z(tm, s.q_dim), z(tm, s.q_dim)
         self.k, self.v = z(tm, s.kv_dim), z(tm, s.kv_dim)
@@ -165,8 +173,8 @@ class GPUBackend:
         self.counter = cuda.to_device(np.zeros(1, np.int64))
         if s.is_moe:
             self.rl, self.ids, self.wts = z(tm, s.n_expert), z(tm, k, dt=np.int32), z(tm, k)
-            self.eg, self.eu, self.eh = z(tm * k, s.n_ff_exp), z(tm * k, s.n_ff_exp), z(tm * k, s.n_ff_exp)
-            self.ey = z(tm * k, s.n_embd)
+            self.eh = z(tm * k, s.n_ff_exp)
+            self.done = cuda.to_device(np.zeros(1, np.int32))  # route_topk's count of blocks done publishing
         f_sh = max((lw.shexp_gate.n_out for lw in self.w.layers if lw.shexp_gate is not None), default=0)
         if f_sh:
             self.sg, self.su, self.sh = z(tm, f_sh), z(tm, f_sh), z(tm, f_sh)
@@ -181,6 +189,11 @@ class GPUBackend:
                                            self.w.rope_freqs.astype(np.float64), r.attn_factor)
         self.mult = cuda.to_device(np.ascontiguousarray(mult, np.float64))
         self.mb = Mailbox(tm, s.n_embd, k)
+        # the CPU pool's views of the mailbox as exact ndarrays (numba types a subclass slowly on every call)
+        self._px, self._pids, self._pwts, self._pslot, self._py = (
+            a.view(np.ndarray) for a in (self.mb.x, self.mb.ids, self.mb.wts, self.mb.slot, self.mb.y))
+        self._pmask = np.empty((tm, k), np.int32)
+        self._pexp, self._pcnt, self._pmiss = (np.empty(max(s.n_expert, 1), np.int64) for _ in range(3))
         self.cache = None
         if s.is_moe:
             self.cache = VRAMCache(self.experts.src, s.n_layer, s.n_expert, vram_slots,
@@ -236,29 +249,34 @@ class GPUBackend:
             ops.append(lambda st: kops.add_bias(out, m.bias, ntok, st))
         return ops
 
+    def _normed(self, norm, mats: list[tuple[_DLinear, object]], T: int, x_out=None) -> list[Op]:
+        """rmsnorm(x) * norm through each (linear, out) of mats. One token: one launch (the norm fused into the
+        matrix-vector kernel, which also writes the normalized row to x_out when given); a prompt: rmsnorm into
+        self.xn, then the tiled matmuls."""
+        eps = float(self.spec.rms_eps)
+        if T == 1:
+            mv = [(m.qtype, m.rows, out, False) for m, out in mats]
+            ops: list[Op] = [lambda st: kmm.matvec(mv, self.x, st, norm=norm, eps=eps, x_out=x_out)]
+            for m, out in mats:
+                if m.bias is not None:
+                    ops.append(lambda st, m=m, out=out: kops.add_bias(out, m.bias, 1, st))
+            return ops
+        ops = [lambda st: kops.rmsnorm(self.x, norm, eps, self.xn, T, st)]
+        for m, out in mats:
+            ops += self._linear(m, self.xn, out, T)
+        return ops
+
     def _attention(self, l: int, T: int) -> list[Op]:
         s, L = self.spec, self.dev["layers"][l]
-        eps = float(s.rms_eps)
-        ops: list[Op] = [lambda st: kops.rmsnorm(self.x, L["attn_norm"], eps, self.xn, T, st)]
-        ops += self._linear(L["wq"], self.xn, self.q, T)
-        ops += self._linear(L["wk"], self.xn, self.k, T)
-        ops += self._linear(L["wv"], self.xn, self.v, T)
-        if s.qk_norm == "head":
-            qh = self.q.reshape(self.ntok_max * s.n_head, s.head_dim)
-            kh = self.k.reshape(self.ntok_max * s.n_head_kv, s.head_dim)
-            ops.append(lambda st: kops.rmsnorm(qh, L["q_norm"], eps, qh, T * s.n_head, st))
-            ops.append(lambda st: kops.rmsnorm(kh, L["k_norm"], eps, kh, T * s.n_head_kv, st))
-        elif s.qk_norm == "full":
-            ops.append(lambda st: kops.rmsnorm(self.q, L["q_norm"], eps, self.q, T, st))
-            ops.append(lambda st: kops.rmsnorm(self.k, L["k_norm"], eps, self.k, T, st))
+        ops = self._normed(L["attn_norm"], [(L["wq"], self.q), (L["wk"], self.k), (L["wv"], self.v)], T)
         r = s.rope
-        neox = r.style == "neox"
-        ops.append(lambda st: kops.rope(self.q, s.n_head, s.head_dim, r.n_rot, self.mult, self.mscale, neox,
-                                        self.pos, T, st))
-        ops.append(lambda st: kops.rope(self.k, s.n_head_kv, s.head_dim, r.n_rot, self.mult, self.mscale, neox,
-                                        self.pos, T, st))
+        mode = {"none": kops.QK_NONE, "head": kops.QK_HEAD, "full": kops.QK_FULL}[s.qk_norm]
+        qn = L["q_norm"] if L["q_norm"] is not None else self.mult  # unused without QK-norm
+        kn = L["k_norm"] if L["k_norm"] is not None else self.mult
         kc, vc = self.kc[l], self.vc[l]
-        ops.append(lambda st: kops.kv_append(self.k, self.v, kc, vc, self.pos, T, st))
+        ops.append(lambda st: kops.qk_rope_kv(self.q, self.k, self.v, qn, kn, mode, float(s.rms_eps), self.mult,
+                                              self.mscale, r.style == "neox", r.n_rot, s.n_head, s.n_head_kv,
+                                              s.head_dim, kc, vc, self.pos, T, st))
         scale = 1.0 / math.sqrt(s.head_dim)
         if T == 1:
             pm, pl, po = self.parts
@@ -272,38 +290,29 @@ class GPUBackend:
     def _ffn(self, l: int, T: int) -> tuple[list[Op], list[Op], bool]:
         """(ops up to and including the layer's GPU work, ops after the CPU's part, whether the host must act)."""
         s, L = self.spec, self.dev["layers"][l]
-        ops: list[Op] = [lambda st: kops.rmsnorm(self.x, L["ffn_norm"], float(s.rms_eps), self.xn, T, st)]
         if L["router"] is None:
-            ops += self._linear(L["ffn_gate"], self.xn, self.fg, T) + self._linear(L["ffn_up"], self.xn, self.fu, T)
+            ops = self._normed(L["ffn_norm"], [(L["ffn_gate"], self.fg), (L["ffn_up"], self.fu)], T)
             ops.append(lambda st: kops.swiglu(self.fg, self.fu, self.fh, T, st))
             ops += self._linear(L["ffn_down"], self.fh, self.x, T, accumulate=True)
             return ops, [], False
         k = s.n_expert_used
         table = self._table[l]
-        ops += self._linear(L["router"], self.xn, self.rl, T)
-        ops.append(lambda st: kops.route_topk(self.rl, k, bool(s.expert_norm), float(s.expert_weights_scale),
-                                              self.ids, self.wts, T, st))
+        shared = L["shexp_gate"] is not None
+        mats = [(L["router"], self.rl)] + ([(L["shexp_gate"], self.sg), (L["shexp_up"], self.su)] if shared else [])
+        ops = self._normed(L["ffn_norm"], mats, T, x_out=self.xn)
         hybrid = l not in self._full
-        mb = self.mb.device
-        if hybrid:  # publish first: the CPU starts on the misses while the GPU computes the hits below
-            ops.append(lambda st: kmb.publish_rows(self.xn, mb["x"], T, st))
-            ops.append(lambda st: kmb.publish_route(self.ids, self.wts, table, mb["ids"], mb["wts"], mb["slot"],
-                                                    T, st))
-            ops.append(lambda st: kmb.ring(self.counter, mb["seq"], st))
+        # publish in the routing launch: the CPU starts on the misses while the GPU computes the hits below
+        pub = (self.xn, table, self.mb.device, self.done, self.counter) if hybrid else None
+        ops.append(lambda st: kops.route_topk(self.rl, k, bool(s.expert_norm), float(s.expert_weights_scale),
+                                              self.ids, self.wts, T, st, publish=pub))
         if self.cache.slots.get(l, 0) > 0:
             buf, lay = self.cache.bufs[l], self.cache.layouts[l]
             g, u, d = lay.mats["gate"], lay.mats["up"], lay.mats["down"]
-            ops.append(lambda st: kmm.moe_slots(g.qtype, buf, g.offset, g.rows, g.row_bytes, table, self.ids,
-                                                self.xn, False, self.eg, T, st))
-            ops.append(lambda st: kmm.moe_slots(u.qtype, buf, u.offset, u.rows, u.row_bytes, table, self.ids,
-                                                self.xn, False, self.eu, T, st))
-            ops.append(lambda st: kops.swiglu(self.eg, self.eu, self.eh, T * k, st))
-            ops.append(lambda st: kmm.moe_slots(d.qtype, buf, d.offset, d.rows, d.row_bytes, table, self.ids,
-                                                self.eh, True, self.ey, T, st))
-            ops.append(lambda st: kops.moe_combine(self.x, self.ey, self.wts, self.ids, table, T, st))
-        if L["shexp_gate"] is not None:
-            ops += self._linear(L["shexp_gate"], self.xn, self.sg, T) + self._linear(L["shexp_up"], self.xn,
-                                                                                      self.su, T)
+            ops.append(lambda st: kmm.moe_gate_up((g.qtype, g.offset, g.row_bytes), (u.qtype, u.offset, u.row_bytes),
+                                                  buf, g.rows, table, self.ids, self.xn, self.eh, T, st))
+            ops.append(lambda st: kmm.moe_down((d.qtype, d.offset, d.row_bytes), buf, d.rows, table, self.ids,
+                                               self.wts, self.eh, self.x, T, st))
+        if shared:
             ops.append(lambda st: kops.swiglu(self.sg, self.su, self.sh, T, st))
             if L["shexp_gate_inp"] is not None:
                 ops += self._linear(L["shexp_down"], self.sh, self.sy, T)
@@ -311,7 +320,7 @@ class GPUBackend:
                 ops.append(lambda st: kops.add(self.x, self.sy, T, st))
             else:
                 ops += self._linear(L["shexp_down"], self.sh, self.x, T, accumulate=True)
-        after = [lambda st: kops.add(self.x, mb["y"], T, st)] if hybrid else []
+        after = [lambda st: kops.add(self.x, self.mb.device["y"], T, st)] if hybrid else []
         return ops, after, hybrid
 
     def _program(self, T: int, tokens, tail: str, all_logits: bool = False) -> list[_Segment]:
@@ -327,11 +336,14 @@ class GPUBackend:
             if hybrid:
                 segs.append(_Segment(cur, l))
                 cur = list(post)
-        rows = T if all_logits else 1
-        xl = self.x if all_logits else self.x[T - 1:T]
-        xnl = self.xn if all_logits else self.xn[T - 1:T]
-        cur.append(lambda st: kops.rmsnorm(xl, D["output_norm"], float(s.rms_eps), xnl, rows, st))
-        cur += self._linear(D["output"], xnl, self.logits, rows)
+        out, eps = D["output"], float(s.rms_eps)
+        if all_logits and T > 1:
+            cur.append(lambda st: kops.rmsnorm(self.x, D["output_norm"], eps, self.xn, T, st))
+            cur += self._linear(out, self.xn, self.logits, T)
+        else:  # the last row only: the final norm fused into the head's matrix-vector launch
+            xl = self.x[T - 1:T]
+            cur.append(lambda st: kmm.matvec([(out.qtype, out.rows, self.logits, False)], xl, st,
+                                             norm=D["output_norm"], eps=eps))
         if tail == "sample":
             lrow = self.logits[0]
             cur.append(lambda st: self.sampler.launch(lrow, st))
@@ -342,31 +354,31 @@ class GPUBackend:
 
     # -- running (device thread) --------------------------------------------------------------------------
     def _cpu_pool(self, layer: int, T: int, stats: HybridStats | None) -> float:
-        """The misses of `layer` for T tokens: read the published routing, compute, write the weighted sum."""
+        """The misses of `layer` for T tokens: read the published routing, compute, write the weighted sum. The
+        per-layer glue is one compiled call on plain views of the mailbox (no numpy temporaries)."""
         mb = self.mb
-        ids = mb.ids[:T].astype(np.int64)
-        # Warming up, the pool computes every choice, so its kernels compile even when all of them hit VRAM.
-        hit = mb.slot[:T] >= 0 if not self._warming else np.zeros(ids.shape, np.bool_)
-        # One count of the layer's choices (hits included) for the profile, the cache's placement and the stats.
-        uniq, cnt = np.unique(ids, return_counts=True)
-        missed = ids[~hit]
-        if not self._warming:
+        ng, nm_e, nh, nm = cops.pool_split(self._pids[:T], self._pslot[:T], self._pmask[:T], self._pexp,
+                                           self._pcnt, self._pmiss)
+        mask = self._pmask[:T]
+        uniq, cnt = self._pexp[:ng], self._pcnt[:ng]
+        if self._warming:  # the pool computes every choice, so its kernels compile even when all of them hit VRAM
+            mask[:] = self._pids[:T]
+            nm = mask.size
+        else:  # one count of the layer's choices (hits included) for the profile, the cache's placement, the stats
             self.experts.routed(layer, uniq, cnt)
-            self.cache.note(layer, uniq, cnt, missed)
-        y = mb.y[:T]
+            self.cache.note(layer, uniq, cnt, self._pmiss[:nm_e])
+        y = self._py[:T]
         y[:] = 0.0
         t0 = time.perf_counter()
-        if missed.size:
-            self.cpu.routed_experts(layer, Activation(np.array(mb.x[:T])), np.where(hit, -1, ids),
-                                    np.array(mb.wts[:T]), y, record=False)
+        if nm:
+            self.cpu.routed_experts(layer, self.cpu.activation(self._px[:T]), mask, self._pwts[:T], y, record=False)
         dt = time.perf_counter() - t0
         if stats is not None:
-            nh = int(hit.sum())
             nb = self._expert_bytes[layer]
             stats.hits += nh
-            stats.misses += missed.size
+            stats.misses += nm
             stats.hit_bytes += nh * nb
-            stats.miss_bytes += missed.size * nb
+            stats.miss_bytes += nm * nb
             stats.routed[layer, uniq] += cnt
         return dt
 
@@ -493,7 +505,7 @@ class GPUBackend:
         session.reserve(len(tokens))
         logits = self._thread.call(self._forward, session.pos, tokens, "logits", all_logits)
         session.advance([int(t) for t in tokens])
-        self.stats.dense_bytes += self.w.dense_bytes_per_token()
+        self.stats.dense_bytes += self._dense_per_token
         return logits
 
     def sample_next(self, session: Session, tokens: Sequence[int], sampler: Sampler, history: Sequence[int]) -> int:
@@ -508,10 +520,13 @@ class GPUBackend:
         elif session.pos != self._dev_pos or int(tokens[0]) != int(self.sampler.token_host[0]):
             raise StrataError("the GPU sampler continues its own sequence: pass it the token it drew")
         else:
+            t0, h0 = time.perf_counter(), self.hybrid.wall_s
             tok = self._thread.call(self._decode_step, self.hybrid)
             sampler.step += 1
+            # the hand-over to the device thread and back is host work too: the breakdown adds up to the call
+            self.hybrid.host_s += time.perf_counter() - t0 - (self.hybrid.wall_s - h0)
         session.advance([int(t) for t in tokens])
-        self.stats.dense_bytes += self.w.dense_bytes_per_token()
+        self.stats.dense_bytes += self._dense_per_token
         return tok
 
     def vram_lines(self) -> list[str]:

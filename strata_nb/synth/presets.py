@@ -103,8 +103,10 @@ PRESETS: tuple[str, ...] = ("tiny", "demo", *PUBLISHED, "tiny-moe64", "micro")
 TINY_ARCHS: tuple[str, ...] = tuple(TINY)
 
 
-def resolve(preset: str, arch: str | None = None, layers: int | None = None) -> Shape:
-    """The shape for a preset name; `arch` picks the tiny variant, `layers` overrides the depth."""
+def resolve(preset: str, arch: str | None = None, layers: int | None = None, small_vocab: bool = False) -> Shape:
+    """The shape for a preset name; `arch` picks the tiny variant, `layers` overrides the depth, `small_vocab`
+    swaps a published vocabulary for the small trained one (a cut-down model whose head stays as small a share
+    of the bytes a token reads as in the full-depth model)."""
     if preset == "tiny":
         key = arch or "qwen3moe"
         if key not in TINY:
@@ -126,4 +128,6 @@ def resolve(preset: str, arch: str | None = None, layers: int | None = None) -> 
         if layers < 1:
             raise StrataError(f"layers must be >= 1, got {layers}")
         shape = replace(shape, layers=layers)
+    if small_vocab and shape.vocab is not None:
+        shape = replace(shape, vocab=None, name=shape.name.replace("(synthetic)", "(synthetic, small vocabulary)"))
     return shape

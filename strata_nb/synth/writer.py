@@ -138,11 +138,11 @@ def _model_metadata(s: Shape, quant: str, n_vocab: int) -> list[tuple[str, str, 
 
 
 def plan_synthetic(preset: str, *, arch: str | None = None, layers: int | None = None,
-                   quant: str = "Q4_K_M") -> SynthPlan:
+                   quant: str = "Q4_K_M", small_vocab: bool = False) -> SynthPlan:
     """Everything `write_synthetic` would write, without writing: metadata, tensor names, shapes and types."""
     if quant not in quantmix.MIXES:
         raise StrataError(f"unknown quant mix {quant!r}; choose one of {', '.join(quantmix.MIXES)}")
-    s = resolve(preset, arch, layers)
+    s = resolve(preset, arch, layers, small_vocab)
     tok_meta, n_vocab = vocab.tokenizer_metadata(s.vocab)
     tensors = [TensorPlan(name, shape, quantmix.tensor_type(quant, name, shape, s.layers, s.n_expert), std, mean)
                for name, shape, std, mean in _tensor_specs(s, n_vocab)]
@@ -190,7 +190,8 @@ def _header(plan: SynthPlan) -> bytes:
 
 def write_synthetic(path: str | os.PathLike, preset: str, *, arch: str | None = None, layers: int | None = None,
                     quant: str = "Q4_K_M", seed: int = 0,
-                    progress: Callable[[int, int], None] | None = None, router_skew: float = 0.0) -> dict:
+                    progress: Callable[[int, int], None] | None = None, router_skew: float = 0.0,
+                    small_vocab: bool = False) -> dict:
     """Write a random but valid GGUF model to `path` and return a summary of it.
 
     The file is streamed tensor by tensor in chunks of CHUNK_BYTES (memory stays small for any model size),
@@ -200,8 +201,9 @@ def write_synthetic(path: str | os.PathLike, preset: str, *, arch: str | None = 
     `router_skew` ALPHA > 0 skews each MoE layer's routing so expert ranks (a seeded permutation per layer,
     skew.expert_ranks) are selected with frequency min(1, c (r+1)^-ALPHA) summing to the experts used per token
     (see strata_nb.synth.skew); the router is calibrated by a short pilot run of the written file. 0 writes
-    exactly the file written without the option."""
-    plan = plan_synthetic(preset, arch=arch, layers=layers, quant=quant)
+    exactly the file written without the option. `small_vocab` replaces a published preset's vocabulary with
+    the small trained one (see presets.resolve)."""
+    plan = plan_synthetic(preset, arch=arch, layers=layers, quant=quant, small_vocab=small_vocab)
     router_skew = float(router_skew)
     skewmod.check_skew(router_skew, plan.shape.n_expert, plan.shape.n_expert_used)
     if router_skew > 0:

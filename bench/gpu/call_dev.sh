@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Device call during development (carry [".gpu"]): the GPU test files, per-kernel decode times on the 2-layer
+# model, then hybrid_vs_llama.py on the full uniform model with whatever time is left (arms in $ARMS order).
+set -uo pipefail
+BUDGET=${CALL_BUDGET:-560}
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+. bench/gpu/setup.sh || exit 1
+left() { echo $((BUDGET - ($(date +%s) - GPU_T0))); }
+export LLAMA_BENCH=${LLAMA_ROOT:-/tmp/llama}/build/bin/llama-bench
+export BENCH_MIRROR_DIR=$OUT
+SMOKE=$(bash bench/gpu/synth.sh path smoke)
+UNI=$(bash bench/gpu/synth.sh path uniform)
+bash bench/gpu/build_llama.sh start
+SYNTH_NICE=10 bash bench/gpu/synth.sh start smoke uniform
+ts "pytest GPU files"
+timeout -s INT -k 20 ${PYTEST_S:-200} python3 -m pytest -q -p no:cacheprovider -rfE ${TESTS:-tests/test_cuda_ops.py tests/test_cuda_matmul.py tests/test_hybrid.py} >"$OUT/pytest.log" 2>&1
+ts "pytest rc $?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | tail -15
+bash bench/gpu/synth.sh wait 60 smoke
+ts "profile_decode"
+timeout -k 10 ${PROFILE_S:-100} python3 bench/gpu/profile_decode.py -m "$SMOKE" 2>&1 | grep -v -i warn | tee "$OUT/profile.log"
+bash bench/gpu/synth.sh wait 120 uniform
+grep -h 'rc .* after' /tmp/models/*.log | tr '\r' '\n' | tail -3
+t=$(($(left) - 15))
+ts "hybrid_vs_llama.py, deadline $t s"
+python3 bench/hybrid_vs_llama.py -m "$UNI" --deadline-s "$t" ${BENCH_ARGS:---shares 1,0.5,0 --reps 1} 2>&1 | grep -v -i warn | tail -40
+ls -la "$OUT"
