@@ -87,8 +87,6 @@ def _memory_options(f):
 
 
 def _memory_kwargs(device, experts, ram_budget, vram_budget, expert_profile, lookahead) -> dict:
-    if lookahead is not None and lookahead < 0:
-        raise StrataError(f"--lookahead must be >= 0, got {lookahead}")
     return {"device": device, "experts": experts, "ram_budget": None if ram_budget is None else ram_budget * 1e9,
             "vram_budget": None if vram_budget is None else vram_budget * 1e9, "expert_profile": expert_profile,
             "lookahead_k": lookahead}

@@ -47,19 +47,25 @@ def _save_npy_atomic(path: str, arr: np.ndarray) -> None:
 def run_generate(*, model, prompt, token_ids, chat, system, n_predict, ctx, threads, pack, fast, sampler,
                  dump_logits, stats, banner: str | None = None, memory: dict | None = None,
                  save_profile: str | None = None) -> None:
-    from strata_nb.api import load
+    from strata_nb.api import Model, load
 
-    sampler.validate()  # bad sampling options fail before the (slow) load
-    _compile_notice()
-    if ctx <= 0:
-        raise StrataError(f"--ctx must be positive, got {ctx}")
-    if save_profile is not None and not Path(save_profile).resolve().parent.is_dir():
-        raise StrataError(f"--save-profile: directory does not exist: {Path(save_profile).parent}")
+    # The whole request is checked against the file before anything is loaded (weights bound, experts read or
+    # uploaded): a refused run prints its one line and nothing else. The engine checks its own options (device,
+    # --vram-budget, threads, lookahead) first thing, before any of that too.
+    sampler.validate()
+    for flag, path in (("--save-profile", save_profile), ("--dump-logits", dump_logits)):
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise StrataError(f"{flag}: directory does not exist: {Path(path).parent}")
+    m = Model(model)
+    if save_profile is not None:
+        m.require_experts("no routing profile to save")
+    toks = m.check_tokens(m.encode(prompt, chat=chat, system=system) if token_ids is None else token_ids, ctx,
+                          n_predict)
     fill = _Progress("filling resident experts")
-    eng = load(model, pack=pack, n_ctx=ctx, threads=threads, fast=fast, progress=fill, **(memory or {}))
+    eng = load(m, pack=pack, n_ctx=ctx, threads=threads, fast=fast, progress=fill, **(memory or {}))
     fill.finish()
     try:
-        _generate(eng, prompt, token_ids, chat, system, n_predict, ctx, sampler, dump_logits, stats, banner, model)
+        _generate(eng, toks, n_predict, sampler, dump_logits, stats, banner)
         if save_profile is not None:
             eng.save_profile(save_profile)
             click.echo(f"routing profile saved to {save_profile}", err=True)
@@ -82,16 +88,13 @@ def _echo_plan(eng) -> None:
 
 def run_plan(model: str, ctx: int, pack: str | None, memory: dict) -> None:
     """The plan a run would make (the same functions the engine calls), without loading the weights."""
-    from strata_nb.api import open_model, pick_device, plan_gpu, plan_memory
+    from strata_nb.api import check_ctx, open_model, pick_device, plan_gpu, plan_memory
     from strata_nb.experts.source import open_experts
 
-    if ctx <= 0:
-        raise StrataError(f"--ctx must be positive, got {ctx}")
+    check_ctx(ctx)
     g, s = open_model(model)
     src = open_experts(g, pack) if s.is_moe else None
-    device, line = pick_device(memory["device"])
-    if device == "cpu" and memory["vram_budget"] is not None:
-        raise StrataError("--vram-budget needs the hybrid GPU engine; this run uses the CPU engine")
+    device, line = pick_device(memory["device"], memory["vram_budget"])
     plan, _ = plan_memory(g, s, src, ctx, experts=memory["experts"], ram_budget=memory["ram_budget"])
     vram = (plan_gpu(g, s, src, ctx, memory["vram_budget"]).lines() if device == "cuda"
             else ["VRAM: not used (CPU engine)"])
@@ -100,33 +103,16 @@ def run_plan(model: str, ctx: int, pack: str | None, memory: dict) -> None:
         click.echo(line)
 
 
-def _generate(eng, prompt, token_ids, chat, system, n_predict, ctx, sampler, dump_logits, stats, banner,
-              model) -> None:
-    from strata_nb.model.chat import render_chat
+def _generate(eng, toks: list[int], n_predict: int, sampler, dump_logits: str | None, stats: bool,
+              banner: str | None) -> None:
     from strata_nb.model.tokenizer import StreamDecoder
 
     tok = eng.tokenizer
-    if token_ids is None:
-        if not prompt:
-            raise StrataError("empty prompt: nothing to run")
-        text, add_special = prompt, True
-        if chat:
-            template = eng.gguf.get("tokenizer.chat_template")
-            if not template:
-                raise StrataError(f"{Path(model).name} has no tokenizer.chat_template; drop --chat")
-            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            bos = _text(tok, tok.bos_id)
-            text = render_chat(template, msgs, add_generation_prompt=True, bos_token=bos,
-                               eos_token=_text(tok, tok.eos_id))
-            add_special = not (bos and text.startswith(bos))  # a template that writes BOS itself: no second one
-        # Special tokens in the text are parsed, as llama.cpp's own tools do.
-        token_ids = tok.encode(text, add_special=add_special, parse_special=True)
-    toks = eng.check_tokens(token_ids)
-    if len(toks) + n_predict > ctx:
-        raise StrataError(f"prompt ({len(toks)} tokens) + -n {n_predict} exceed the context (--ctx {ctx})")
     if banner:
         click.echo(banner, err=True)
-    _echo_plan(eng)  # after every input check: a refused run prints one line
+    _echo_plan(eng)
+    _compile_notice()
+    eng.warm_up()  # the compile (or the load from numba's cache) is timed apart from the prompt
     dec = StreamDecoder(tok, lstrip_first=False)  # generated text continues the prompt, as llama.cpp prints it
     stop = set(tok.eog_ids)
 
@@ -153,14 +139,12 @@ def _compile_notice() -> None:
                    f"cached in {os.environ.get('NUMBA_CACHE_DIR')})", err=True)
 
 
-def _text(tok, tid) -> str:
-    return tok.token_text(tid) if tid is not None and tid >= 0 else ""
-
-
 def print_stats(eng, res) -> None:
     e = click.echo
     e(f"load            {eng.load_s * 1000:8.1f} ms   ({eng.threads} threads, "
       f"{'fast int8' if eng.backend.fast else 'reference float32'} kernels)", err=True)
+    e(f"compile/warm-up {eng.warm_s * 1000:8.1f} ms   (kernels compiled, or loaded from numba's cache, by a "
+      f"throwaway forward; not in the prompt time)", err=True)
     e(f"prompt          {res.prompt_tokens:5d} tokens in {res.prompt_s * 1000:8.1f} ms = {res.prompt_tps:8.2f} tok/s",
       err=True)
     if res.decode_steps:
@@ -220,12 +204,13 @@ def io_lines(io, n: int, per: str) -> list[str]:
 
 
 def run_info(model: str, ctx: int) -> None:
-    from strata_nb.api import memory_needs, open_model
+    from strata_nb.api import memory_needs, open_model, pick_device
     from strata_nb.cpu_kernels import qtypes
 
     g, s = open_model(model)
     e = click.echo
     e(f"file            {g.path} ({_gb(g.size)})")
+    e(f"device (auto)   {pick_device('auto')[1].removeprefix('device: ')}")
     e(f"architecture    {s.arch}" + (f" (MoE: {s.n_expert} experts, top-{s.n_expert_used}, expert ffn {s.n_ff_exp}"
                                       f"{', shared expert' if s.shared_expert else ''}"
                                       f"{', gated' if s.shared_expert_gate else ''}"

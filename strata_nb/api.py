@@ -38,6 +38,72 @@ def open_model(path: str | os.PathLike) -> tuple[GGUFFile, ModelSpec]:
     return g, spec_from_gguf(g)
 
 
+def check_ctx(n_ctx: int) -> int:
+    """The context length, refused unless positive."""
+    if n_ctx <= 0:
+        raise StrataError(f"--ctx must be positive, got {n_ctx}")
+    return int(n_ctx)
+
+
+class Model:
+    """A GGUF opened and validated, with its tokenizer: everything a run can check before a weight is bound,
+    uploaded or read (the CLI checks its whole request against this, then loads an Engine from it)."""
+
+    def __init__(self, path: str | os.PathLike):
+        from strata_nb.model.tokenizer import Tokenizer
+
+        t0 = time.perf_counter()
+        self.path = Path(path)
+        self.gguf, self.spec = open_model(path)
+        self.tokenizer = Tokenizer.from_gguf(self.gguf)
+        self.open_s = time.perf_counter() - t0
+
+    def require_experts(self, what: str) -> None:
+        """Refuse a request that needs routed experts on a dense model."""
+        if not self.spec.is_moe:
+            raise StrataError(f"{self.path.name} has no routed experts: {what}")
+
+    def encode(self, text: str, chat: bool = False, system: str | None = None) -> list[int]:
+        """The prompt ids of `text`; with chat, of the file's chat template rendered with a user message (after a
+        system message when one is given). Special tokens in the text are parsed, as llama.cpp's tools do."""
+        from strata_nb.model.chat import render_chat
+
+        if not text:
+            raise StrataError("empty prompt: nothing to run")
+        tok = self.tokenizer
+        add_special = True
+        if chat:
+            template = self.gguf.get("tokenizer.chat_template")
+            if not template:
+                raise StrataError(f"{self.path.name} has no tokenizer.chat_template; drop --chat")
+            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+            bos = _token_text(tok, tok.bos_id)
+            text = render_chat(template, msgs, add_generation_prompt=True, bos_token=bos,
+                               eos_token=_token_text(tok, tok.eos_id))
+            add_special = not (bos and text.startswith(bos))  # a template that writes BOS itself: no second one
+        return tok.encode(text, add_special=add_special, parse_special=True)
+
+    def check_tokens(self, tokens: Sequence[int], n_ctx: int, n_new: int = 0) -> list[int]:
+        """The prompt ids as ints, refused when empty, outside the vocabulary, or when they and n_new generated
+        tokens do not fit the context."""
+        check_ctx(n_ctx)
+        toks = [int(t) for t in tokens]
+        if not toks:
+            raise StrataError("empty prompt: nothing to run")
+        bad = [t for t in toks if not 0 <= t < self.spec.n_vocab]
+        if bad:
+            raise StrataError(f"token id {bad[0]} out of range 0..{self.spec.n_vocab - 1}")
+        if len(toks) + n_new > n_ctx:
+            if n_new:
+                raise StrataError(f"prompt ({len(toks)} tokens) + -n {n_new} exceed the context (--ctx {n_ctx})")
+            raise StrataError(f"prompt of {len(toks)} tokens is longer than the context (--ctx {n_ctx})")
+        return toks
+
+
+def _token_text(tok, tid: int | None) -> str:
+    return tok.token_text(tid) if tid is not None and tid >= 0 else ""
+
+
 def memory_needs(g: GGUFFile, spec: ModelSpec, n_ctx: int) -> MemoryNeeds:
     expert = sum(t.nbytes for n, t in g.tensors.items() if "_exps." in n)
     dense = sum(t.nbytes for t in g.tensors.values()) - expert
@@ -67,22 +133,28 @@ def plan_memory(g: GGUFFile, spec: ModelSpec, src, n_ctx: int, *, experts: str =
 GPU_PROMPT_TOKENS = 256  # tokens per prompt chunk on the GPU (activation buffers are sized for this)
 
 
-def pick_device(device: str) -> tuple[str, str]:
-    """("cuda" or "cpu", a line saying why). auto: CUDA when numba.cuda finds a GPU, else the CPU engine."""
+def pick_device(device: str, vram_budget: float | None = None) -> tuple[str, str]:
+    """("cuda" or "cpu", a line saying which engine runs and why). auto: the hybrid engine when numba-cuda finds a
+    GPU, else the CPU engine. A vram_budget is refused when the CPU engine runs."""
     if device not in ("auto", "cuda", "cpu"):
         raise StrataError(f"unknown device {device!r} (auto, cuda or cpu)")
     if device == "cpu":
-        return "cpu", "device: CPU engine (--device cpu)"
-    from strata_nb.runtime.cuda_rt import SIM, cuda_status
+        picked = "cpu", "device: CPU engine (--device cpu)"
+    else:
+        from strata_nb.runtime.cuda_rt import SIM, cuda_status
 
-    ok, why = cuda_status()
-    if ok and SIM and device == "auto":  # the simulator runs the hybrid engine only when asked (tests)
-        return "cpu", "device: CPU engine (only numba's CUDA simulator found; --device cuda runs on it)"
-    if ok:
-        return "cuda", f"device: hybrid GPU engine on {why}"
-    if device == "cuda":
-        raise StrataError(f"--device cuda: {why}")
-    return "cpu", f"device: CPU engine ({why})"
+        ok, why = cuda_status()
+        if ok and SIM and device == "auto":  # the simulator runs the hybrid engine only when asked (tests)
+            picked = "cpu", "device: CPU engine (only numba's CUDA simulator found; --device cuda runs on it)"
+        elif ok:
+            picked = "cuda", f"device: hybrid GPU engine on {why}"
+        elif device == "cuda":
+            raise StrataError(f"--device cuda: {why}")
+        else:
+            picked = "cpu", f"device: CPU engine ({why})"
+    if picked[0] == "cpu" and vram_budget is not None:
+        raise StrataError("--vram-budget needs the hybrid GPU engine; this run uses the CPU engine")
+    return picked
 
 
 def gpu_needs(g: GGUFFile, spec: ModelSpec, n_ctx: int, kv_type: str = "f16") -> tuple[int, int, int]:
@@ -130,7 +202,8 @@ def set_threads(threads: int | None) -> int:
 
 
 class Engine:
-    """A loaded model on one backend, with its tokenizer and its memory plan.
+    """A loaded model on one backend, with its tokenizer and its memory plan. model: a GGUF path, or a Model
+    already opened (and the request checked against it).
 
     device: "auto" (the hybrid GPU engine when numba.cuda finds a GPU, else the CPU engine), "cuda" or "cpu".
     vram_budget (bytes, hybrid engine): dense weights + KV + activations + expert slots; None: the device's free
@@ -143,8 +216,8 @@ class Engine:
     token predicted for the next layer and read ahead (0: off; default top-k + 2).
     """
 
-    def __init__(self, path: str | os.PathLike, *, device: str = "auto", pack: str | None = None, n_ctx: int = 4096,
-                 threads: int | None = None, fast: bool = True, experts: str = "auto",
+    def __init__(self, model: str | os.PathLike | Model, *, device: str = "auto", pack: str | None = None,
+                 n_ctx: int = 4096, threads: int | None = None, fast: bool = True, experts: str = "auto",
                  ram_budget: float | None = None, vram_budget: float | None = None,
                  expert_profile: str | os.PathLike | None = None, lookahead_k: int | None = None,
                  reader_threads: int = 8, read_timeout_s: float = 60.0, adapt_every: int = 4, machine: Machine | None = None,
@@ -155,32 +228,32 @@ class Engine:
         from strata_nb.experts.source import open_experts
         from strata_nb.experts.store import MappedStore
         from strata_nb.experts.tiered import TieredStore
-        from strata_nb.model.tokenizer import Tokenizer
         from strata_nb.runtime.cpu_backend import CPUBackend
 
-        self.path = Path(path)
-        self.gguf, self.spec = open_model(path)
-        self.n_ctx = int(n_ctx)
-        if self.n_ctx <= 0:
-            raise StrataError(f"--ctx must be positive, got {n_ctx}")
+        self.model = model if isinstance(model, Model) else Model(model)
+        self.path, self.gguf, self.spec, self.tokenizer = (self.model.path, self.model.gguf, self.model.spec,
+                                                           self.model.tokenizer)
+        # The options first: nothing below is bound, read or uploaded before every argument has been accepted.
+        self.n_ctx = check_ctx(n_ctx)
         if lookahead_k is None:  # the router's own top-k and two more: most misses, few wasted reads
             lookahead_k = self.spec.n_expert_used + 2
-        if lookahead_k < 0 or reader_threads < 1 or read_timeout_s <= 0:
-            raise StrataError("lookahead must be >= 0, reader threads >= 1 and the read timeout positive")
+        if lookahead_k < 0:
+            raise StrataError(f"--lookahead must be >= 0, got {lookahead_k}")
+        if reader_threads < 1 or read_timeout_s <= 0:
+            raise StrataError("reader threads must be >= 1 and the read timeout positive")
         self.threads = set_threads(threads)
+        self.device, self.device_line = pick_device(device, vram_budget)
         self.weights: ModelWeights = bind_weights(self.gguf, self.spec)
         src = open_experts(self.gguf, pack) if self.spec.is_moe else None
         profile = None
         if src is not None:
             profile = (RoutingProfile.load(expert_profile, self.spec) if expert_profile is not None
                        else RoutingProfile.for_spec(self.spec))
-        self.device, self.device_line = pick_device(device)
-        if self.device == "cpu" and vram_budget is not None:
-            raise StrataError("--vram-budget needs the hybrid GPU engine; this run uses the CPU engine")
         self.plan, layouts = plan_memory(self.gguf, self.spec, src, self.n_ctx, experts=experts,
                                          ram_budget=ram_budget, machine=machine)
         self.gpu_plan = (plan_gpu(self.gguf, self.spec, src, self.n_ctx, vram_budget, kv_type)
                          if self.device == "cuda" else None)
+        # Loading proper: the resident experts are read (tiered) or uploaded (hybrid) from here on.
         self.store = None
         self.locked_bytes = 0
         if src is not None and self.plan.mode == "tiered":
@@ -193,7 +266,6 @@ class Engine:
             self.store.lookahead_k = lookahead_k
         elif src is not None:
             self.store = MappedStore(src, profile)
-        self.tokenizer = Tokenizer.from_gguf(self.gguf)
         if self.device == "cuda":
             from strata_nb.runtime.gpu_backend import GPUBackend
 
@@ -203,12 +275,22 @@ class Engine:
                                       adapt_every=adapt_every, kv_type=kv_type, progress=progress)
         else:
             self.backend = CPUBackend(self.spec, self.weights, self.store, fast=fast)
-        self.load_s = time.perf_counter() - t0
+        self.load_s = self.model.open_s + time.perf_counter() - t0
+        self.warm_s: float | None = None  # compile/warm-up time, once warm_up() has run
+
+    def warm_up(self) -> float:
+        """Compile every kernel the forward calls (or load it from numba's on-disk cache) outside anything timed:
+        a throwaway forward that leaves sessions, expert stores, the routing profile and stats as they were.
+        Runs once (generate calls it); returns its wall time."""
+        if self.warm_s is None:
+            t0 = time.perf_counter()
+            self.backend.warm_up()
+            self.warm_s = time.perf_counter() - t0
+        return self.warm_s
 
     def save_profile(self, path: str | os.PathLike) -> None:
         """Write the routing profile (loaded counts plus this run's) for the next run's --expert-profile."""
-        if self.store is None or self.store.profile is None:
-            raise StrataError(f"{self.path.name} has no routed experts: no routing profile to save")
+        self.model.require_experts("no routing profile to save")
         self.store.profile.save(path)
 
     def close(self) -> None:
@@ -219,15 +301,7 @@ class Engine:
 
     # -- inputs -------------------------------------------------------------------------------------------
     def check_tokens(self, tokens: Sequence[int], n_new: int = 0) -> list[int]:
-        toks = [int(t) for t in tokens]
-        if not toks:
-            raise StrataError("empty prompt: nothing to run")
-        bad = [t for t in toks if not 0 <= t < self.spec.n_vocab]
-        if bad:
-            raise StrataError(f"token id {bad[0]} out of range 0..{self.spec.n_vocab - 1}")
-        if len(toks) > self.n_ctx:
-            raise StrataError(f"prompt of {len(toks)} tokens is longer than the context (--ctx {self.n_ctx})")
-        return toks
+        return self.model.check_tokens(tokens, self.n_ctx, n_new)
 
     def new_session(self) -> Session:
         return Session(self.spec, self.n_ctx, host_kv=self.device == "cpu")
@@ -242,10 +316,11 @@ class Engine:
                  on_token: Callable[[int], None] | None = None, keep_logits: bool = False) -> GenerationResult:
         toks = self.check_tokens(prompt)
         s = Sampler(sampler or SamplerConfig(), self.spec.n_vocab)
+        self.warm_up()  # before generate's clocks start: a first run's compile is not prompt time
         return generate(self.backend, self.new_session(), toks, max_new, s, set(self.tokenizer.eog_ids),
                         on_token=on_token, keep_logits=keep_logits)
 
 
-def load(model: str | os.PathLike, **kwargs) -> Engine:
+def load(model: str | os.PathLike | Model, **kwargs) -> Engine:
     """Load a GGUF MoE (or dense) model for generation. See Engine for the options."""
     return Engine(model, **kwargs)

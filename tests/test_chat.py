@@ -1,6 +1,7 @@
 """Chat templates rendered by strata_nb.model.chat against transformers' own rendering of the same template."""
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -10,8 +11,8 @@ from strata_nb.errors import StrataError
 from strata_nb.model.chat import render_chat
 from strata_nb.model.tokenizer import Tokenizer
 
-chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils",
-                                          reason="transformers is the reference renderer")
+transformers = pytest.importorskip("transformers", reason="transformers is the reference renderer")
+tokenizers = pytest.importorskip("tokenizers")
 
 TOOLS = [{
     "type": "function",
@@ -44,13 +45,19 @@ CONVERSATIONS = {
 VARIABLES = {"bos_token": "<s>", "eos_token": "</s>", "date_string": "26 Jul 2024"}
 
 
+@functools.lru_cache(maxsize=1)
+def _reference_tokenizer():
+    """A transformers tokenizer with no special tokens of its own: only the template and the variables given to
+    apply_chat_template reach the rendering (its vocabulary plays no part when tokenize=False)."""
+    vocab = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=vocab)
+
+
 def _reference(template: str, messages: list[dict], add_generation_prompt: bool, tools=None, **variables) -> str:
-    """transformers' apply_chat_template path: normalize messages, then render_jinja_template."""
-    chat = chat_template_utils._normalize_chat_messages(messages)
-    rendered, _ = chat_template_utils.render_jinja_template(
-        conversations=[chat], tools=tools, chat_template=template, add_generation_prompt=add_generation_prompt,
-        **variables)
-    return rendered[0]
+    """transformers' own rendering, through its public apply_chat_template (messages normalized, then rendered)."""
+    return _reference_tokenizer().apply_chat_template(messages, tools=tools, chat_template=template,
+                                                      add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                      **variables)
 
 
 def _compare(template: str, messages: list[dict], add_generation_prompt: bool, tools=None, **extra) -> str:

@@ -1,14 +1,21 @@
 """The command line end to end: generation, stats, logits dump, pack, info, synth, and every refusal."""
 from __future__ import annotations
 
+import re
 import shutil
+import subprocess
+import sys
+import time
 
 import gguf
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from strata_nb import api
 from strata_nb.api import load
+from strata_nb.errors import StrataError
+from strata_nb.runtime.cuda_rt import SIM
 from strata_nb.model.chat import render_chat
 from strata_nb.cli.main import main
 from strata_nb.synth import write_synthetic
@@ -81,6 +88,40 @@ def test_info(model):
     assert res.exit_code == 0, res.stderr
     for key in ("qwen3moe", "experts", "Q4_K", "Q6_K", "routed experts", "KV cache"):
         assert key in res.stdout
+    # which engine --device auto runs here, and why (the test machine: the simulator, or a GPU)
+    want = "hybrid GPU engine on CUDA device" if not SIM else "CPU engine (only numba's CUDA simulator found"
+    assert re.search(rf"^device \(auto\) +{re.escape(want)}", res.stdout, re.M), res.stdout
+
+
+def test_device_reasons(monkeypatch):
+    """Why auto falls back to the CPU engine: numba-cuda missing, numba's own CUDA target, no GPU, the simulator."""
+    from strata_nb.api import pick_device
+    from strata_nb.runtime import cuda_rt
+
+    class FakeCuda:
+        implementation = "NVIDIA"
+
+        @staticmethod
+        def is_available() -> bool:
+            return False
+
+    monkeypatch.setattr(cuda_rt, "SIM", False)
+    monkeypatch.setattr(cuda_rt, "cuda", None)
+    assert pick_device("auto") == ("cpu", f"device: CPU engine ({cuda_rt.NO_NUMBA_CUDA})")
+    monkeypatch.setattr(cuda_rt, "cuda", type("BuiltIn", (FakeCuda,), {"implementation": "Built-in"}))
+    assert pick_device("auto")[1] == f"device: CPU engine ({cuda_rt.NO_NUMBA_CUDA})"
+    assert "pip install 'strata-nb[cuda]'" in cuda_rt.NO_NUMBA_CUDA
+    monkeypatch.setattr(cuda_rt, "cuda", FakeCuda)
+    assert pick_device("auto") == ("cpu", "device: CPU engine (numba-cuda found no CUDA GPU: no device, or no "
+                                          "NVIDIA driver)")
+    with pytest.raises(StrataError, match="--device cuda: numba-cuda found no CUDA GPU"):
+        pick_device("cuda")
+    with pytest.raises(StrataError, match="--vram-budget needs the hybrid GPU engine"):
+        pick_device("auto", vram_budget=1e9)
+    monkeypatch.setattr(cuda_rt, "SIM", True)
+    assert pick_device("auto")[1].startswith("device: CPU engine (only numba's CUDA simulator found")
+    assert pick_device("cuda") == ("cuda", "device: hybrid GPU engine on numba CUDA simulator")
+    assert pick_device("cpu", None) == ("cpu", "device: CPU engine (--device cpu)")
 
 
 def test_pack_then_generate_identical(model, tmp_path):
@@ -152,17 +193,105 @@ def test_unsupported_quant(tmp_path):
     assert_refused(run("info", "-m", p), "IQ4_NL", "token_embd.weight", "Q4_K")
 
 
-def test_prompt_longer_than_context(model):
-    assert_refused(run("generate", "-m", model, "--tokens", " ".join(["3"] * 40), "--ctx", "32"), "context")
+# ------------------------------------------------------------------------------------- checks before loading
+@pytest.fixture
+def bound(monkeypatch) -> list:
+    """Records every weight binding: a refused request must be refused before the engine binds anything (on the
+    GPU machine the hybrid engine then uploads the weights and fills the VRAM expert cache, with a progress bar)."""
+    calls: list = []
+    real = api.bind_weights
+    monkeypatch.setattr(api, "bind_weights", lambda *a, **k: calls.append(a) or real(*a, **k))
+    return calls
 
 
-def test_token_out_of_range(model):
-    assert_refused(run("generate", "-m", model, "--tokens", "1 999999"), "999999", "out of range")
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("args, needles", [
+    (("--tokens", " ".join(["3"] * 40), "--ctx", "32", "-n", "0"), ("longer than the context", "--ctx 32")),
+    (("--tokens", "3 3 3", "--ctx", "32", "-n", "30"), ("prompt (3 tokens) + -n 30", "--ctx 32")),
+    (("-p", "hello world " * 20, "--ctx", "16", "-n", "1"), ("exceed the context", "--ctx 16")),
+    (("--tokens", "1 999999", "-n", "1"), ("token id 999999 out of range",)),
+    (("-p", "", "-n", "1"), ("empty prompt",)),
+])
+def test_inputs_refused_before_loading(model, bound, device, args, needles):
+    res = run("generate", "-m", model, "--device", device, *args)
+    assert_refused(res, *needles)  # one line: no progress bar, plan or notice before it
+    assert not bound
 
 
-def test_empty_prompt(model):
-    assert_refused(run("generate", "-m", model, "-p", ""), "empty prompt")
+def test_options_refused_before_loading(model, bound, tmp_path):
+    dense = tmp_path / "dense.gguf"
+    write_synthetic(dense, "tiny", arch="qwen3", quant="Q8_0", seed=1)
+    no_template = tmp_path / "no-template.gguf"  # the key renamed in place (same length): the file has none
+    data = open(model, "rb").read()
+    assert data.count(b"tokenizer.chat_template") == 1
+    no_template.write_bytes(data.replace(b"tokenizer.chat_template", b"tokenizer.chat_templatX"))
+    cases = [
+        (("-m", model, "-p", "hi", "--device", "cpu", "--vram-budget", "1"), "needs the hybrid GPU engine"),
+        (("-m", model, "-p", "hi", "--dump-logits", tmp_path / "no" / "x.npy"), "--dump-logits: directory"),
+        (("-m", model, "-p", "hi", "--save-profile", tmp_path / "no" / "p.npz"), "--save-profile: directory"),
+        (("-m", dense, "-p", "hi", "--save-profile", tmp_path / "p.npz"), "no routed experts"),
+        (("-m", no_template, "-p", "hi", "--chat"), "has no tokenizer.chat_template"),
+        (("-m", model, "-p", "hi", "--ctx", "0"), "--ctx must be positive"),
+        (("-m", model, "-p", "hi", "--lookahead", "-1"), "--lookahead must be >= 0"),
+        (("-m", model, "-p", "hi", "--temp", "-1"), "temperature"),
+        (("-m", model, "-p", "hi", "--threads", "100000"), "--threads"),
+    ]
+    for args, needle in cases:
+        assert_refused(run("generate", *args, "-n", "1"), needle)
+    assert not bound
 
 
-def test_bad_sampler_option(model):
-    assert_refused(run("generate", "-m", model, "-p", "hi", "--temp", "-1"), "temperature")
+# ----------------------------------------------------------------------------------- compile vs timed work
+def test_prompt_time_excludes_the_warm_up(model, monkeypatch):
+    """The kernels compile in a warm-up before the clocks start; --stats reports it on its own line. A slow
+    warm-up (a first run's compile) must show there and not in the prompt time."""
+    from strata_nb.runtime.cpu_backend import CPUBackend
+
+    real = CPUBackend.warm_up
+
+    def slow_warm_up(self):
+        time.sleep(2.0)
+        real(self)
+
+    monkeypatch.setattr(CPUBackend, "warm_up", slow_warm_up)
+    # one thread: 4 tokens of the tiny model take milliseconds even on a busy machine
+    res = run("generate", "-m", model, "--device", "cpu", "--threads", "1", "--tokens", "5 6 7 8", "-n", "3",
+              "--stats")
+    assert res.exit_code == 0, res.stderr
+    ms = {k: float(v) for k, v in re.findall(r"^(load|compile/warm-up|prompt|decode)\s+(?:\d+ tokens in\s+)?"
+                                             r"([\d.]+) ms", res.stderr, re.M)}
+    assert set(ms) == {"load", "compile/warm-up", "prompt", "decode"}, res.stderr
+    assert ms["compile/warm-up"] >= 2000
+    assert ms["prompt"] < 2000
+
+
+def test_after_the_warm_up_generation_compiles_nothing(model):
+    """In a fresh process (kernels not yet loaded from numba's cache), warm_up() compiles every kernel signature
+    that prompt, decode and --dump-logits decode then call: nothing compiles inside the timed generation."""
+    script = f"""
+import importlib, pkgutil
+import strata_nb.cpu_kernels as ck
+from strata_nb.api import load
+from strata_nb.runtime.sampler import SamplerConfig
+
+def signatures():
+    n = 0
+    for m in pkgutil.iter_modules(ck.__path__):
+        mod = importlib.import_module("strata_nb.cpu_kernels." + m.name)
+        n += sum(len(v.signatures) for v in vars(mod).values() if hasattr(v, "signatures") and hasattr(v, "py_func"))
+    return n
+
+for experts in ("mmap", "tiered"):
+    eng = load({str(model)!r}, device="cpu", n_ctx=64, experts=experts)
+    eng.warm_up()
+    n = signatures()
+    assert n > 0
+    eng.generate([5, 6, 7, 8, 9], 4, SamplerConfig(temperature=0.7, seed=1))
+    eng.generate([5, 6], 3, SamplerConfig(), keep_logits=True)
+    eng.logits([1, 2, 3])
+    assert signatures() == n, (experts, n, signatures())
+    eng.close()
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

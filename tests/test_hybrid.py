@@ -13,6 +13,7 @@ end-to-end bound would not measure the pool).
 """
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -189,6 +190,34 @@ def test_vram_cache_slots_hold_their_experts_after_admission_and_swaps(model, re
         be._thread.call(check)
         assert cache.stats.admitted > 0
         assert cache.stats.swaps > 0
+    finally:
+        eng.close()
+
+
+def test_device_warm_up_changes_no_state(model, reference):
+    """The throwaway forwards that compile every kernel on a GPU (the simulator skips them in Engine.warm_up: it
+    compiles nothing) admit, swap and count nothing, leave the device sampler alone, and the run after them gives
+    the CPU engine's logits and tokens."""
+    ref, toks = reference
+    eng = Engine(model, device="cuda", n_ctx=CTX, fast=False, vram_budget=budget_for(model, 1), adapt_every=1)
+    try:
+        be = eng.backend
+        cache, prof = be.cache, eng.store.profile
+
+        def state():
+            return (cache.host_table.copy(), cache.counts.copy(), cache._tokens, dataclasses.asdict(cache.stats),
+                    prof.total().copy(), prof.run_tokens, dataclasses.asdict(be.stats), be.hybrid.tokens,
+                    be.sampler, be.sampler.step, be._decode)
+
+        before = state()
+        be._thread.call(be._warm_up)
+        after = state()
+        for a, b in zip(before, after):
+            assert (a == b).all() if isinstance(a, np.ndarray) else a == b
+        assert be._dev_pos == 3  # it did run: 2 tokens, then 1
+        res = eng.generate(PROMPT, 3, SamplerConfig(temperature=0.0), keep_logits=True)
+        assert close(np.concatenate(res.logits), ref) < TOL
+        assert res.tokens == toks
     finally:
         eng.close()
 

@@ -155,3 +155,24 @@ def test_bad_requests(tmp_path):
     with pytest.raises(StrataError, match="finite number >= 0"):
         write_synthetic(tmp_path / "x.gguf", "tiny", router_skew=float("nan"))
     assert not list(tmp_path.iterdir())
+
+
+def test_pilot_and_measurement_run_on_the_cpu_engine(tmp_path, monkeypatch):
+    """Both wrap the CPU engine's MoE layer; on a GPU machine --device auto would build the hybrid engine, which
+    has none (`strata-nb synth --router-skew` failed there with "'GPUBackend' object has no attribute 'moe'")."""
+    from strata_nb import api
+
+    asked: list[str] = []
+    real = api.pick_device
+
+    def pick(device: str, vram_budget: float | None = None):
+        asked.append(device)
+        if device != "cpu":  # what a GPU machine's auto would give
+            return "cuda", "device: a GPU (test)"
+        return real(device, vram_budget)
+
+    monkeypatch.setattr(api, "pick_device", pick)
+    path = write_synthetic(tmp_path / "s.gguf", "tiny", seed=4, router_skew=ALPHA)["path"]
+    counts, n = skew.measure_routing(path, [1, 2, 3], 2, threads=1)
+    assert n == 5 and counts.sum() == n * 2 * counts.shape[0]  # tiny: top-2
+    assert asked == ["cpu", "cpu"]

@@ -14,7 +14,7 @@ import numpy as np
 
 from strata_nb.cpu_kernels import actq, ops
 from strata_nb.cpu_kernels.matmul import dequant_rows, matmul_f32, matmul_q8, moe_ffn_for
-from strata_nb.experts.store import ExpertStore
+from strata_nb.experts.store import ExpertStore, MappedStore
 from strata_nb.model.spec import ModelSpec
 from strata_nb.model.weights import LayerWeights, Linear, ModelWeights
 from strata_nb.runtime.session import Session
@@ -217,6 +217,17 @@ class CPUBackend:
         self.experts.prefetch(nxt, np.unique(top))
 
     # -- the whole model ----------------------------------------------------------------------------------
+    def scratch(self) -> "CPUBackend":
+        """A backend on the same weights whose experts are read in place and counted nowhere: for throwaway
+        forwards that must leave this backend's store (tiered slots, routing profile, I/O counts) untouched."""
+        store = MappedStore(self.experts.src, None) if self.experts is not None else None
+        return CPUBackend(self.spec, self.w, store, fast=self.fast)
+
+    def warm_up(self) -> None:
+        """Compile every kernel a forward calls (numba compiles per type signature, not per shape, and the token
+        count only changes shapes): one token through a scratch backend on a one-position session."""
+        self.scratch().forward(Session(self.spec, 1), np.zeros(1, np.int64))
+
     def sample_next(self, session: Session, tokens, sampler, history) -> int:
         """Run tokens and draw the next token from the last position's logits."""
         return sampler.sample(self.forward(session, np.asarray(tokens, np.int64))[-1], history)

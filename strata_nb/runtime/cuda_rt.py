@@ -1,6 +1,6 @@
 """The few CUDA runtime pieces numba.cuda does not wrap the way the hybrid engine needs them.
 
-- cuda_status(): is there a usable GPU (or the simulator), and if not, why.
+- cuda_status(): is there a usable GPU (or the simulator), and if not, why (numba-cuda missing, no GPU, driver).
 - Graph: a sequence of kernel launches captured once as a CUDA graph (stream capture through the driver API, as
   gpu-machine.md measured: ~1 us per replayed kernel against ~33 us per launch from Python) and replayed. Under
   numba's simulator there are no graphs: the recorded launches are replayed as calls, which is the same
@@ -12,20 +12,32 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-from numba import config, cuda
+from numba import config
 
 from strata_nb.errors import StrataError
 
+try:
+    from numba import cuda
+except ImportError:  # a numba without its built-in CUDA target and without numba-cuda
+    cuda = None
+
 SIM = bool(config.ENABLE_CUDASIM)
+NO_NUMBA_CUDA = "numba-cuda is not installed: pip install 'strata-nb[cuda]' for the hybrid GPU engine"
 
 
 def cuda_status() -> tuple[bool, str]:
-    """(usable, a line saying what was found)."""
+    """(usable, a line saying what was found): the simulator, a GPU, or why there is none (numba-cuda missing,
+    no GPU, a broken driver)."""
+    if cuda is None:
+        return False, NO_NUMBA_CUDA
+    if SIM:
+        return True, "numba CUDA simulator"
+    # numba's own deprecated CUDA target is not what the engine is built and tested on (graphs need cuda-bindings)
+    if getattr(cuda, "implementation", None) != "NVIDIA":
+        return False, NO_NUMBA_CUDA
     try:
         if not cuda.is_available():
-            return False, "no CUDA GPU found by numba.cuda"
-        if SIM:
-            return True, "numba CUDA simulator"
+            return False, "numba-cuda found no CUDA GPU: no device, or no NVIDIA driver"
         dev = cuda.get_current_device()
         name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
         return True, f"CUDA device {dev.id}: {name} (compute {dev.compute_capability[0]}.{dev.compute_capability[1]})"

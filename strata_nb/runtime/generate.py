@@ -13,6 +13,10 @@ from strata_nb.runtime.session import Session
 
 
 class Backend(Protocol):
+    def warm_up(self) -> None:
+        """Compile every kernel a forward calls, changing no state (Engine.generate runs it before the clocks)."""
+        ...
+
     def forward(self, session: Session, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray: ...
 
     def sample_next(self, session: Session, tokens: Sequence[int], sampler: Sampler,

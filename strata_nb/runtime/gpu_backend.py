@@ -33,7 +33,7 @@ from strata_nb.experts.store import ExpertStore
 from strata_nb.experts.vram_cache import VRAMCache
 from strata_nb.model.spec import ModelSpec
 from strata_nb.model.weights import Linear, ModelWeights
-from strata_nb.runtime.cpu_backend import Activation, CPUBackend
+from strata_nb.runtime.cpu_backend import CPUBackend
 from strata_nb.runtime.cuda_rt import SIM, Graph
 from strata_nb.runtime.doorbell import DeviceThread, Mailbox
 from strata_nb.runtime.gpu_sampler import GPUSampler
@@ -135,6 +135,7 @@ class GPUBackend:
         self._dense_per_token = weights.dense_bytes_per_token()
         self.hybrid = HybridStats(routed=np.zeros((spec.n_layer, max(spec.n_expert, 1)), np.int64))
         self.device_line = ""
+        self._warming = False  # a throwaway forward (warm_up): nothing is counted, admitted or adapted
         self._thread = DeviceThread()
         try:
             self._thread.call(self._load, vram_slots, adapt_every, progress)
@@ -156,7 +157,9 @@ class GPUBackend:
         f32 = np.float32
 
         def z(*shape, dt=f32):
-            return cuda.device_array(shape, dt)
+            # Zeroed: row-wise kernels also run over rows nothing wrote (SwiGLU over the misses' expert rows, which
+            # nothing reads after it). Garbage there is harmless on a GPU; the simulator's Python math raises on it.
+            return cuda.to_device(np.zeros(shape, dt))
 
         kvt = KV_TYPES[self.kv_type]
         self.kc = [cuda.to_device(np.zeros((s.n_head_kv, self.n_ctx, s.head_dim), kvt)) for _ in range(s.n_layer)]
@@ -356,16 +359,19 @@ class GPUBackend:
         mb = self.mb
         ng, nm_e, nh, nm = cops.pool_split(self._pids[:T], self._pslot[:T], self._pmask[:T], self._pexp,
                                            self._pcnt, self._pmiss)
-        # One count of the layer's choices (hits included) for the profile, the cache's placement and the stats.
+        mask = self._pmask[:T]
         uniq, cnt = self._pexp[:ng], self._pcnt[:ng]
-        self.experts.routed(layer, uniq, cnt)
-        self.cache.note(layer, uniq, cnt, self._pmiss[:nm_e])
+        if self._warming:  # the pool computes every choice, so its kernels compile even when all of them hit VRAM
+            mask[:] = self._pids[:T]
+            nm = mask.size
+        else:  # one count of the layer's choices (hits included) for the profile, the cache's placement, the stats
+            self.experts.routed(layer, uniq, cnt)
+            self.cache.note(layer, uniq, cnt, self._pmiss[:nm_e])
         y = self._py[:T]
         y[:] = 0.0
         t0 = time.perf_counter()
         if nm:
-            self.cpu.routed_experts(layer, self.cpu.activation(self._px[:T]), self._pmask[:T], self._pwts[:T], y,
-                                    record=False)
+            self.cpu.routed_experts(layer, self.cpu.activation(self._px[:T]), mask, self._pwts[:T], y, record=False)
         dt = time.perf_counter() - t0
         if stats is not None:
             nb = self._expert_bytes[layer]
@@ -388,7 +394,7 @@ class GPUBackend:
             else:
                 last += self.mb.wait(self._seq, self.timeout_s, "the end of the forward")
         self._dev_pos += T
-        if self.cache is not None:
+        if self.cache is not None and not self._warming:
             self.cache.end_token(self.stream)
         if stats is not None:
             stats.tokens += 1
@@ -466,7 +472,34 @@ class GPUBackend:
                     seg.graph.close()
         self._decode = self._decode_logits = None
 
+    def _warm_up(self) -> None:
+        sampler, pool = self.sampler, self.cpu
+        self.sampler = self._gpu_sampler(SamplerConfig(seed=0))
+        self.cpu = pool.scratch()
+        self._warming = True
+        try:
+            self._set_pos(0)
+            if self.ntok_max >= 2:  # the prompt kernels, the head over every row (dumped logits) and the sampler
+                self.tok[:2].copy_to_device(np.zeros(2, np.int32), stream=self.stream)
+                self._execute(self._program(2, self.tok, "sample", all_logits=True), 2, None)
+            self._execute(self._program(1, self.sampler.token, "sample"), 1, None)  # the decode kernels
+            self.stream.synchronize()
+        finally:
+            self.sampler, self.cpu, self._warming = sampler, pool, False
+
     # -- the Backend interface ----------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Compile every kernel of the prompt, decode and sampler programs and of the CPU expert pool before
+        anything is timed: a throwaway forward of 2 tokens and one of 1, with their own sampler and a scratch
+        pool that computes every choice of the hybrid layers and counts nothing. The KV positions it writes are
+        written again by the next prompt before anything reads them; the slot table, profile, stats and decode
+        graphs stay as they were. The simulator interprets its kernels (nothing to compile, and a forward costs
+        seconds there): only the CPU pool's kernels are compiled, by the CPU engine's warm-up."""
+        if SIM:
+            self.cpu.warm_up()
+        else:
+            self._thread.call(self._warm_up)
+
     def forward(self, session: Session, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:
         tokens = np.asarray(tokens, np.int64)
         session.reserve(len(tokens))

@@ -190,7 +190,9 @@ def calibrate_router(path: str | os.PathLike, spec: SkewSpec, router_offsets: di
     try:
         routers = {i: mm[o:o + spec.n_expert * n_embd * 4].view(np.float32).reshape(spec.n_expert, n_embd)
                    for i, o in router_offsets.items()}
-        eng = Engine(path, n_ctx=max(64, n_pilot), experts="mmap")  # the file is patched as we go
+        # The CPU engine always: the pilot wraps its MoE layer (the hybrid engine routes on the GPU); the file is
+        # patched as we go.
+        eng = Engine(path, device="cpu", n_ctx=max(64, n_pilot), experts="mmap")
         original = eng.backend.moe
 
         def moe(lw, layer, a):
@@ -232,7 +234,7 @@ def measure_routing(path: str | os.PathLike, prompt: list[int], n_gen: int, thre
     Top-k is recomputed in float32 from the router and the MoE input (the engine's own choice up to rounding)."""
     from strata_nb.api import Engine
 
-    eng = Engine(path, n_ctx=len(prompt) + n_gen + 1, threads=threads)
+    eng = Engine(path, device="cpu", n_ctx=len(prompt) + n_gen + 1, threads=threads)  # wraps the CPU MoE layer
     s = eng.spec
     prompt = eng.check_tokens(prompt)
     routers = {}
