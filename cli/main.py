@@ -73,6 +73,9 @@ def _memory_options(f):
         click.option("--vram-budget", type=float, default=None, metavar="GB",
                      help="GPU memory this run may use: dense weights, KV cache, activations and expert slots "
                           "(default: free memory minus a reserve; hybrid engine only)."),
+        click.option("--kv-type", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
+                     help="The hybrid engine's KV cache: f16 as llama.cpp, or f32 (twice the memory; attention "
+                          "exact to the CPU engine's float32)."),
         click.option("--expert-profile", type=click.Path(dir_okay=False), default=None,
                      help="Routing profile (from --save-profile): fill the resident experts hottest first."),
         click.option("--lookahead", type=int, default=None,
@@ -86,10 +89,10 @@ def _memory_options(f):
     return f
 
 
-def _memory_kwargs(device, experts, ram_budget, vram_budget, expert_profile, lookahead) -> dict:
+def _memory_kwargs(device, experts, ram_budget, vram_budget, expert_profile, lookahead, kv_type="f16") -> dict:
     return {"device": device, "experts": experts, "ram_budget": None if ram_budget is None else ram_budget * 1e9,
             "vram_budget": None if vram_budget is None else vram_budget * 1e9, "expert_profile": expert_profile,
-            "lookahead_k": lookahead}
+            "lookahead_k": lookahead, "kv_type": kv_type}
 
 
 def _parse_token_list(s: str) -> list[int]:
@@ -118,7 +121,7 @@ def _parse_token_list(s: str) -> list[int]:
               help="Save float32 [positions, vocab] logits of every prompt and generated position (.npy).")
 @click.option("--stats", is_flag=True, help="Print timing and bandwidth statistics to stderr.")
 def generate(model, prompt, prompt_file, tokens, chat, system, n_predict, ctx, threads, pack, kernels,
-             device, experts, ram_budget, vram_budget, expert_profile, lookahead, save_profile,
+             device, experts, ram_budget, vram_budget, kv_type, expert_profile, lookahead, save_profile,
              temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, dump_logits, stats):
     """Generate text from a prompt."""
     from strata_nb.cli.run import run_generate
@@ -142,7 +145,7 @@ def generate(model, prompt, prompt_file, tokens, chat, system, n_predict, ctx, t
     run_generate(model=model, prompt=prompt, token_ids=_parse_token_list(tokens) if tokens is not None else None,
                  chat=chat, system=system, n_predict=n_predict, ctx=ctx, threads=threads, pack=pack,
                  fast=kernels == "fast", sampler=sampler, dump_logits=dump_logits, stats=stats,
-                 memory=_memory_kwargs(device, experts, ram_budget, vram_budget, expert_profile, lookahead),
+                 memory=_memory_kwargs(device, experts, ram_budget, vram_budget, expert_profile, lookahead, kv_type),
                  save_profile=save_profile)
 
 
@@ -167,11 +170,13 @@ def info(model, ctx):
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
 @click.option("--vram-budget", type=float, default=None, metavar="GB",
               help="GPU memory the run may use (default: automatic; hybrid engine only).")
-def plan(model, ctx, pack, experts, ram_budget, device, vram_budget):
+@click.option("--kv-type", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
+              help="The hybrid engine's KV cache element type.")
+def plan(model, ctx, pack, experts, ram_budget, device, vram_budget, kv_type):
     """Print the memory plan a run would use: RAM, SSD and (hybrid engine) VRAM expert slots."""
     from strata_nb.cli.run import run_plan
 
-    run_plan(model, ctx, pack, _memory_kwargs(device, experts, ram_budget, vram_budget, None, None))
+    run_plan(model, ctx, pack, _memory_kwargs(device, experts, ram_budget, vram_budget, None, None, kv_type))
 
 
 # -------------------------------------------------------------------------------------------------- pack

@@ -96,7 +96,7 @@ def run_plan(model: str, ctx: int, pack: str | None, memory: dict) -> None:
     src = open_experts(g, pack) if s.is_moe else None
     device, line = pick_device(memory["device"], memory["vram_budget"])
     plan, _ = plan_memory(g, s, src, ctx, experts=memory["experts"], ram_budget=memory["ram_budget"])
-    vram = (plan_gpu(g, s, src, ctx, memory["vram_budget"]).lines() if device == "cuda"
+    vram = (plan_gpu(g, s, src, ctx, memory["vram_budget"], memory["kv_type"]).lines() if device == "cuda"
             else ["VRAM: not used (CPU engine)"])
     click.echo(f"model {g.path.name}: {_gb(g.size)}, context {ctx}" + (f", experts from {src.path.name}" if src else ""))
     for line in [line, *plan.lines(), *vram]:

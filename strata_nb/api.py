@@ -241,6 +241,8 @@ class Engine:
             raise StrataError(f"--lookahead must be >= 0, got {lookahead_k}")
         if reader_threads < 1 or read_timeout_s <= 0:
             raise StrataError("reader threads must be >= 1 and the read timeout positive")
+        if kv_type not in ("f16", "f32"):
+            raise StrataError(f"--kv-type must be f16 or f32, got {kv_type!r}")
         self.threads = set_threads(threads)
         self.device, self.device_line = pick_device(device, vram_budget)
         self.weights: ModelWeights = bind_weights(self.gguf, self.spec)
