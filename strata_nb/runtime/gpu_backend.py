@@ -189,9 +189,10 @@ class GPUBackend:
                                            self.w.rope_freqs.astype(np.float64), r.attn_factor)
         self.mult = cuda.to_device(np.ascontiguousarray(mult, np.float64))
         self.mb = Mailbox(tm, s.n_embd, k)
-        # the CPU pool's views of the mailbox as exact ndarrays (numba types a subclass slowly on every call)
+        # the CPU pool's views of the mailbox as exact ndarrays (numba types a subclass slowly on every call); the
+        # base method: on a GPU the mapped array is also a device array, whose own view() means a device view
         self._px, self._pids, self._pwts, self._pslot, self._py = (
-            a.view(np.ndarray) for a in (self.mb.x, self.mb.ids, self.mb.wts, self.mb.slot, self.mb.y))
+            np.ndarray.view(a, np.ndarray) for a in (self.mb.x, self.mb.ids, self.mb.wts, self.mb.slot, self.mb.y))
         self._pmask = np.empty((tm, k), np.int32)
         self._pexp, self._pcnt, self._pmiss = (np.empty(max(s.n_expert, 1), np.int64) for _ in range(3))
         self.cache = None
