@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device call (carry [".gpu"]): diagnostics of the hybrid engine on the real GPU, the GPU test files, the llama.cpp
-# build in the background (packed to $OUT), per-kernel decode times on the 2-layer model, matvec variants.
+# build in the background (packed to $OUT), per-kernel decode times on the 2-layer model.
 set -uo pipefail
 BUDGET=${CALL_BUDGET:-560}
 OUT=${OUT:-/tmp/gpu-out}
@@ -13,8 +13,6 @@ SYNTH_NICE=10 bash bench/gpu/synth.sh start smoke
 
 ts "diagnose"
 timeout -k 10 200 python3 bench/gpu/diagnose.py 2>&1 | tee "$OUT/diagnose.log" | grep -v Warning
-ts "mv_proto"
-timeout -k 10 90 python3 bench/gpu/mv_proto.py 2>&1 | tee "$OUT/mv_proto.log"
 bash bench/gpu/synth.sh wait 60 smoke
 ts "profile_decode"
 timeout -k 10 90 python3 bench/gpu/profile_decode.py -m "$SMOKE" 2>&1 | tee "$OUT/profile.log"
