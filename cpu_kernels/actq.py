@@ -40,6 +40,10 @@ def quantize_row(x, xq, xd, xs):
 @njit(cache=True, parallel=True)
 def quantize_rows(x, xq, xd, xs):
     """x float32[T, K] -> xq int8[T, K], xd float32[T, K/32], xs float32[T, K/16]."""
+    if x.shape[0] <= 2:  # decode: waking the thread pool costs more than a row (~10-100 us vs ~1 us)
+        for t in range(x.shape[0]):
+            quantize_row(x[t], xq[t], xd[t], xs[t])
+        return
     for t in prange(x.shape[0]):
         quantize_row(x[t], xq[t], xd[t], xs[t])
 

@@ -10,9 +10,10 @@ end. The per-lane loop is generated as straight-line code per (head_dim, gp, war
 arrays in registers. On a GPU the exchanges are warp shuffles; the simulator has none, so there a shared-memory
 round replaces them (or, for one test, emulated shuffles with block barriers: every warp runs the same steps).
 
-Decode splits the context into n_split chunks of ceil(len / n_split) keys (len read from pos0 on the device, so one
-captured graph serves every position); each block writes its chunk's partial (max, sum, unnormalized output) and a
-reduce kernel merges them. Chunks past the length write a neutral partial (max -inf, sum 0).
+Decode splits the context into chunks of max(min_chunk, ceil(len / n_split)) keys (len read from pos0 on the device,
+so one captured graph serves every position); each block writes its chunk's partial (max, sum, unnormalized output)
+and a reduce kernel merges the live ones. Blocks of chunks past the length return at once: a short context costs
+a few chunks, not n_split of a few keys each.
 """
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ import math
 import numpy as np
 from numba import config, cuda
 
+from strata_nb.cuda_kernels.block import block_max, block_sum
 from strata_nb.errors import StrataError
 
 _MAX_SPLIT = 1024  # the reduce kernel keeps one weight per chunk in shared memory
+MIN_CHUNK = 64  # keys per decode chunk at least: below that a block's fixed cost outweighs its keys
+_RT = 128  # threads of the reduce kernel on a GPU
 _GPU_WARPS = 4  # warps per attention block on a GPU
 _SIM_WARPS = 1  # in the simulator (the butterfly test runs 2, to exercise the merge of warps there)
 # How the simulator sums a warp's dot products: "smem" (one shared-memory round, fast there) or "emul" (the GPU's
@@ -272,7 +276,7 @@ def _build(hd: int, gp: int, nw: int, exchange: str):
         return mx, tot
 
     @cuda.jit
-    def decode_partial(q, kc, vc, pos0, scale, part_m, part_l, part_o, n_split, grp, n_sub):
+    def decode_partial(q, kc, vc, pos0, scale, part_m, part_l, part_o, n_split, grp, n_sub, min_chunk):
         so = cuda.shared.array((gp, hd), np.float32)
         smw = cuda.shared.array((nw, gp), np.float32)
         slw = cuda.shared.array((nw, gp), np.float32)
@@ -281,16 +285,18 @@ def _build(hd: int, gp: int, nw: int, exchange: str):
         tid = cuda.threadIdx.x
         sc = np.float32(scale)
         n = pos0[0] + 1
-        chunk = (n + n_split - 1) // n_split
+        chunk = max(min_chunk, (n + n_split - 1) // n_split)
         ntask = kc.shape[0] * n_sub * n_split
         for task in range(cuda.blockIdx.x, ntask, cuda.gridDim.x):
             c = task % n_split
+            j0 = c * chunk
+            if j0 >= n:  # past the length (the same for the whole block): the reduce reads only live chunks
+                continue
             gs = task // n_split
             g = gs // n_sub
             sub = gs - g * n_sub
             hq0 = g * grp + sub * gp
             nq = min(gp, grp - sub * gp)
-            j0 = c * chunk
             j1 = min(n, j0 + chunk)
             attend(q, 0, hq0, nq, kc, vc, g, j0, max(j0, j1), sc, smw, slw, so, xb, xs)
             for h in range(tid, nq, nt):
@@ -333,29 +339,33 @@ def _build(hd: int, gp: int, nw: int, exchange: str):
 
 
 @cuda.jit(cache=True)
-def _decode_reduce_k(part_m, part_l, part_o, out):
+def _decode_reduce_k(part_m, part_l, part_o, pos0, min_chunk, out):
+    """out = the merge of the live chunks' partials, a block per head (the chunks across its threads)."""
     wt = cuda.shared.array(_MAX_SPLIT, np.float32)
+    red = cuda.shared.array(_RT, np.float32)
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     nh, ns, hd = part_o.shape
+    n = pos0[0] + 1
+    chunk = max(min_chunk, (n + ns - 1) // ns)
+    nl = min(ns, (n + chunk - 1) // chunk)
     for h in range(cuda.blockIdx.x, nh, cuda.gridDim.x):
-        mx = part_m[h, 0]
-        for c in range(1, ns):
+        mx = -np.inf
+        for c in range(tid, nl, nt):
             mx = max(mx, part_m[h, c])
+        mx = block_max(red, np.float32(mx))
         tot = np.float32(0.0)
-        for c in range(ns):
-            if part_m[h, c] > -np.inf:
-                tot += part_l[h, c] * np.float32(math.exp(part_m[h, c] - mx))
-        for c in range(tid, ns, nt):
+        for c in range(tid, nl, nt):
             mc = part_m[h, c]
-            wt[c] = np.float32(math.exp(mc - mx)) / tot if mc > -np.inf else np.float32(0.0)
-        cuda.syncthreads()
+            e = np.float32(math.exp(mc - mx)) if mc > -np.inf else np.float32(0.0)
+            wt[c] = e
+            tot += part_l[h, c] * e
+        tot = block_sum(red, tot)  # its barriers also publish wt
         for d in range(tid, hd, nt):
             a = np.float32(0.0)
-            for c in range(ns):
-                if wt[c] != 0.0:  # chunks past the length: their part_o is not read
-                    a += part_o[h, c, d] * wt[c]
-            out[0, h * hd + d] = a
+            for c in range(nl):
+                a += part_o[h, c, d] * wt[c]
+            out[0, h * hd + d] = a / tot
         cuda.syncthreads()
 
 
@@ -370,9 +380,11 @@ def _group(n_head: int, n_kv: int) -> tuple[int, int, int]:
     return grp, gp, (grp + gp - 1) // gp
 
 
-def attention_decode(q, kc, vc, pos0, scale: float, out, part_m, part_l, part_o, n_split: int, stream) -> None:
+def attention_decode(q, kc, vc, pos0, scale: float, out, part_m, part_l, part_o, n_split: int, stream,
+                     min_chunk: int = MIN_CHUNK) -> None:
     """One query token at position pos0[0] (sees cache 0..pos0[0]); q, out f32[1, H*hd]; kc, vc f16[Hkv, ctx, hd];
-    part_* shaped by decode_scratch_shapes(H, hd, n_split). n_split is fixed at capture."""
+    part_* shaped by decode_scratch_shapes(H, hd, n_split). n_split is fixed at capture; chunks hold at least
+    min_chunk keys."""
     n_kv, _, hd = kc.shape
     n_head = part_m.shape[0]
     if not 0 < n_split <= _MAX_SPLIT or part_m.shape[1] != n_split or part_o.shape != (n_head, n_split, hd):
@@ -384,9 +396,10 @@ def attention_decode(q, kc, vc, pos0, scale: float, out, part_m, part_l, part_o,
     partial, _ = _kernels(hd, gp, nw, sim)
     ntask = n_kv * n_sub * n_split
     blocks = min(ntask, 2) if sim else ntask
-    partial[blocks, 32 * nw, stream](q, kc, vc, pos0, float(scale), part_m, part_l, part_o, n_split, grp, n_sub)
-    rb, rt = (min(n_head, 2), 32) if sim else (n_head, 128)
-    _decode_reduce_k[rb, rt, stream](part_m, part_l, part_o, out)
+    partial[blocks, 32 * nw, stream](q, kc, vc, pos0, float(scale), part_m, part_l, part_o, n_split, grp, n_sub,
+                                     int(min_chunk))
+    rb, rt = (min(n_head, 2), 32) if sim else (n_head, _RT)
+    _decode_reduce_k[rb, rt, stream](part_m, part_l, part_o, pos0, int(min_chunk), out)
 
 
 def attention_prompt(q, kc, vc, pos0, scale: float, out, ntok: int, stream) -> None:

@@ -36,6 +36,7 @@ SIM = bool(config.ENABLE_CUDASIM)
 # GPU that way). Prompt: 4 warps a block, each 4 rows x 8 tokens (a unit is decoded once per 8 tokens; its 16
 # activations are loaded once for 4 rows). Simulator: one-lane warps, one warp a block, small tiles.
 MV_WARPS, MV_ROWS, MV_ROWS_SMALL = (1, 2, 2) if SIM else (4, 4, 2)
+MV_ROWS_DOWN = 2 if SIM else 4  # rows of a moe_down block (its warps take different choices of those rows)
 MV_CHUNK = 256 if SIM else 8192  # activation elements staged in shared memory at a time (32 KB)
 TILE_WARPS, TILE_ROWS, TILE_TOKS = (1, 2, 2) if SIM else (4, 4, 8)
 EMBED_THREADS = 32 if SIM else 256
@@ -171,22 +172,14 @@ def _dense_fn(types: tuple, k: int, rows: int, norm: bool):
         tid = cuda.threadIdx.x
         lane = tid & LANE_MASK
         b = cuda.blockIdx.x
-        inv = _ONE
-        if norm:  # as cuda_kernels.ops.rmsnorm: the mean and eps in float64, the scale in float32
-            ss = _ZERO
-            for i in range(tid, k, nthr):
-                v = x[0, _U(i)]
-                ss += v * v
-            tot = block_sum(red, ss)
-            inv = _ONE / float32(math.sqrt(float64(tot) / k + eps))
-            if write_xo and b == 0:
-                for i in range(tid, k, nthr):
-                    xo[0, _U(i)] = x[0, _U(i)] * inv * nw[_U(i)]
         m = 0 if b < nba else (1 if b < nba + nbb else 2)
         lb = b if m == 0 else (b - nba if m == 1 else b - nba - nbb)
         r0 = (lb * warps + (tid >> WARP_SHIFT)) * rows
         for o in range(rows):
             acc[o] = _ZERO
+        # The norm's scale 1/rms is a factor of every dot product: it is applied to the sums at the end, so the
+        # row is read once (x * weight staged, its squares summed on the way) before the first weight load.
+        ss = _ZERO
         for c in range(nch):
             cuda.syncthreads()
             for i in range(tid, ch, nthr):
@@ -194,7 +187,8 @@ def _dense_fn(types: tuple, k: int, rows: int, norm: bool):
                 if j < k:
                     v = x[0, _U(j)]
                     if norm:
-                        v = v * inv * nw[_U(j)]
+                        ss += v * v
+                        v = v * nw[_U(j)]
                     xs[i] = v
             cuda.syncthreads()
             u0 = c * cu
@@ -205,6 +199,14 @@ def _dense_fn(types: tuple, k: int, rows: int, norm: bool):
                 d1(w8b, wvb, whb, 0, rbb, r0, nb - 1, u0, u1, xs, c * ch, q, s, mn, xv, sx, acc, 0)
             else:
                 d2(w8c, wvc, whc, 0, rbc, r0, nc - 1, u0, u1, xs, c * ch, q, s, mn, xv, sx, acc, 0)
+        if norm:  # as cuda_kernels.ops.rmsnorm: the mean and eps in float64, the scale in float32
+            tot = block_sum(red, ss)
+            inv = _ONE / float32(math.sqrt(float64(tot) / k + eps))
+            for o in range(rows):
+                acc[o] *= inv
+            if write_xo and b == 0:
+                for i in range(tid, k, nthr):
+                    xo[0, _U(i)] = x[0, _U(i)] * inv * nw[_U(i)]
         _warp_reduce(acc, rows, red)
         if lane == 0:
             for o in range(rows):
@@ -281,57 +283,71 @@ def _gate_up_fn(tg: tuple, tu: tuple, k: int, rows: int):
 
 def _down_fn(td: tuple, k: int, rows: int):
     """The experts' down matrices, weighted and summed over a token's resident choices, added to the residual
-    stream in the epilogue (memoized)."""
+    stream in the epilogue (memoized). A block owns `rows` rows of every choice: its warps take different choices
+    (so their weight loads are in flight together), staged at once in shared memory with the router weight
+    applied, and their sums meet in shared memory in warp order (deterministic)."""
     key = ("down", td, k, rows)
     if key in _KERNELS:
         return _KERNELS[key]
     dd = _dot_rows(*td, rows)
-    ch, nch = _chunks(k)
-    cu, nunits = ch // UNIT, k // UNIT
+    if k <= MV_CHUNK:  # `per` whole entries a stage
+        per, span, nch = MV_CHUNK // k, k, 1
+    else:  # one entry a stage, in chunks
+        per, span, nch = 1, MV_CHUNK, -(-k // MV_CHUNK)
+    sh_len, cu, nunits = per * span, span // UNIT, k // UNIT
     warps, nthr = MV_WARPS, MV_WARPS * LANES
+    red_len = MV_WARPS * rows
 
     @cuda.jit(cache=True)
     def down(w8, wv, wh, slot_bytes, off, rb, nrows, slot_of, ids, wts, h, out, ntok):
-        xs = cuda.shared.array(ch, float32)
-        red = cuda.shared.array(_RED, float32)
+        xs = cuda.shared.array(sh_len, float32)
+        red = cuda.shared.array(red_len, float32)
         q = cuda.local.array(UNIT, float32)
         xv = cuda.local.array(UNIT, float32)
         s = cuda.local.array(4, float32)
         mn = cuda.local.array(4, float32)
         sx = cuda.local.array(4, float32)
         acc = cuda.local.array(rows, float32)
-        accj = cuda.local.array(rows, float32)
         tid = cuda.threadIdx.x
         lane = tid & LANE_MASK
+        w = tid >> WARP_SHIFT
         kk = ids.shape[1]
-        r0 = (cuda.blockIdx.x * warps + (tid >> WARP_SHIFT)) * rows
+        r0 = cuda.blockIdx.x * rows
         for t in range(cuda.blockIdx.y, ntok, cuda.gridDim.y):
             for o in range(rows):
                 acc[o] = _ZERO
-            for j in range(kk):  # in choice order: deterministic
-                slot = slot_of[_U(ids[_U(t), _U(j)])]
-                if slot >= 0:  # the same for the whole block
-                    i = t * kk + j
-                    for o in range(rows):
-                        accj[o] = _ZERO
-                    for c in range(nch):
-                        cuda.syncthreads()
-                        for e in range(tid, ch, nthr):
-                            if c * ch + e < k:
-                                xs[e] = h[_U(i), _U(c * ch + e)]
-                        cuda.syncthreads()
-                        u0 = c * cu
-                        u1 = min(nunits, u0 + cu)
-                        dd(w8, wv, wh, slot * slot_bytes + off, rb, r0, nrows - 1, u0, u1, xs, c * ch, q, s, mn, xv,
-                           sx, accj, 0)
-                    wj = wts[_U(t), _U(j)]
-                    for o in range(rows):  # the weight distributes over the lanes' partial sums
-                        acc[o] += wj * accj[o]
+            for j0 in range(0, kk, per):
+                for c in range(nch):
+                    cuda.syncthreads()
+                    for e in range(tid, sh_len, nthr):
+                        jj = e // span
+                        col = c * span + e - jj * span
+                        v = _ZERO
+                        if j0 + jj < kk and col < k:
+                            v = h[_U(t * kk + j0 + jj), _U(col)] * wts[_U(t), _U(j0 + jj)]
+                        xs[e] = v
+                    cuda.syncthreads()
+                    u0 = c * cu
+                    u1 = min(nunits, u0 + cu)
+                    for jj in range(w, per, warps):
+                        j = j0 + jj
+                        if j < kk:
+                            slot = slot_of[_U(ids[_U(t), _U(j)])]
+                            if slot >= 0:  # the same for the whole warp
+                                dd(w8, wv, wh, slot * slot_bytes + off, rb, r0, nrows - 1, u0, u1, xs,
+                                   (c - jj) * span, q, s, mn, xv, sx, acc, 0)
             _warp_reduce(acc, rows, red)
             if lane == 0:
                 for o in range(rows):
-                    if r0 + o < nrows:
-                        out[_U(t), _U(r0 + o)] += acc[o]
+                    red[w * rows + o] = acc[o]
+            cuda.syncthreads()
+            for o in range(tid, rows, nthr):
+                if r0 + o < nrows:
+                    v = red[o]
+                    for ww in range(1, warps):
+                        v += red[ww * rows + o]
+                    out[_U(t), _U(r0 + o)] += v
+            cuda.syncthreads()
 
     _KERNELS[key] = down
     return down
@@ -601,7 +617,7 @@ def moe_down(down, slots, nrows: int, slot_of, ids, wts, h, out, ntok: int, stre
         raise StrataError(f"GPU experts: ids {ids.shape} / weights {wts.shape} do not fit {ntok} tokens")
     _check_act("h", h, ntok * ids.shape[1], f)
     _check_act("out", out, ntok, nrows)
-    rows = _mv_rows(nrows * ntok)
-    grid = (-(-nrows // (rows * MV_WARPS)), min(ntok, MAX_GRID_Y))
+    rows = MV_ROWS_DOWN
+    grid = (-(-nrows // rows), min(ntok, MAX_GRID_Y))
     _down_fn((qd, wd), f, rows)[grid, LANES * MV_WARPS, stream](w8, wv, wh, slots.shape[1], od, rbd, nrows,
                                                                  slot_of, ids, wts, h, out, ntok)

@@ -13,10 +13,9 @@ import math
 import numpy as np
 from numba import config, cuda
 
-from strata_nb.cuda_kernels.block import block_max, block_sum
+from strata_nb.cuda_kernels.block import block_sum
 from strata_nb.errors import StrataError
 
-_MAX_HALF = 512  # rope: n_rot / 2 at most (shared cos/sin tables)
 _MAX_EXPERTS = 1024  # route_topk: experts per token at most (shared probabilities)
 _RED = 256  # threads per block of the reduction kernels on a GPU (and the size of their shared buffer)
 
@@ -120,6 +119,14 @@ if _sim():
     @cuda.jit(device=True)
     def _syncwarp():
         return
+
+    @cuda.jit(device=True)
+    def _warp_max(v):
+        return v
+
+    @cuda.jit(device=True)
+    def _warp_best(v, i):
+        return v, i
 else:
     @cuda.jit(device=True)
     def _warp_sum(v):
@@ -131,42 +138,56 @@ else:
     def _syncwarp():
         cuda.syncwarp()
 
+    @cuda.jit(device=True)
+    def _warp_max(v):
+        for m in (16, 8, 4, 2, 1):
+            v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, m))
+        return v
+
+    @cuda.jit(device=True)
+    def _warp_best(v, i):
+        """The warp's (value, index) with the largest value, ties to the lower index, in every lane."""
+        for m in (16, 8, 4, 2, 1):
+            ov = cuda.shfl_xor_sync(0xFFFFFFFF, v, m)
+            oi = cuda.shfl_xor_sync(0xFFFFFFFF, i, m)
+            if ov > v or (ov == v and oi < i):
+                v = ov
+                i = oi
+        return v, i
+
+
+@cuda.jit(device=True)
+def _row_inv(src, t, n, eps, red):
+    """1 / rms of src[t, :n] for QK_FULL, by the whole block (as rmsnorm: the mean and eps in float64)."""
+    ss = np.float32(0.0)
+    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        x = src[t, i]
+        ss += x * x
+    tot = block_sum(red, ss)
+    return np.float32(1.0) / np.float32(math.sqrt(np.float64(tot) / n + eps))
+
 
 @cuda.jit(cache=True)
 def _qk_rope_kv_k(q, k, v, qw, kw, mode, eps, mult, mscale, neox, n_rot, n_head, n_kv, hd, kc, vc, pos0, ntok):
-    cs = cuda.shared.array(_MAX_HALF, np.float32)
-    sn = cuda.shared.array(_MAX_HALF, np.float32)
+    # grid (head groups, tokens): each warp owns one head (q heads, then k heads) of one token; the warp of kv head
+    # h also appends v[h]. Spread over blocks so that no block walks the heads in turn (a decode token's launch is
+    # latency, not throughput), except under QK_FULL: q is rotated in place, so one block per token computes the
+    # row's norm before any of its heads is written.
     hb = cuda.shared.array((_QK_WARPS, _MAX_HD), np.float32)
     red = cuda.shared.array(_QK_THREADS, np.float32)
     tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
     lane = tid & (_QK_LANES - 1)
     w = tid >> _QK_SHIFT
     half = n_rot // 2
     one = np.float32(1.0)
-    for t in range(cuda.blockIdx.x, ntok, cuda.gridDim.x):
+    for t in range(cuda.blockIdx.y, ntok, cuda.gridDim.y):
         p = pos0[0] + t
-        for i in range(tid, half, nt):
-            th = np.float64(p) * mult[i]
-            cs[i] = np.float32(math.cos(th) * mscale)
-            sn[i] = np.float32(math.sin(th) * mscale)
         invq = one
         invk = one
-        if mode == QK_FULL:  # as rmsnorm over the whole q (k) row
-            ss = np.float32(0.0)
-            for i in range(tid, n_head * hd, nt):
-                x = q[t, i]
-                ss += x * x
-            tot = block_sum(red, ss)
-            invq = one / np.float32(math.sqrt(np.float64(tot) / (n_head * hd) + eps))
-            ss = np.float32(0.0)
-            for i in range(tid, n_kv * hd, nt):
-                x = k[t, i]
-                ss += x * x
-            tot = block_sum(red, ss)
-            invk = one / np.float32(math.sqrt(np.float64(tot) / (n_kv * hd) + eps))
-        cuda.syncthreads()
-        for hh in range(w, n_head + n_kv, nt >> _QK_SHIFT):  # a warp per head
+        if mode == QK_FULL:  # the whole block takes part (a barrier inside), so before any per-warp branch
+            invq = _row_inv(q, t, n_head * hd, eps, red)
+            invk = _row_inv(k, t, n_kv * hd, eps, red)
+        for hh in range(cuda.blockIdx.x * _QK_WARPS + w, n_head + n_kv, cuda.gridDim.x * _QK_WARPS):
             is_q = hh < n_head
             h = hh if is_q else hh - n_head
             base = h * hd
@@ -195,10 +216,11 @@ def _qk_rope_kv_k(q, k, v, qw, kw, mode, eps, mult, mscale, neox, n_rot, n_head,
                 else:
                     a = 2 * i
                     b = a + 1
+                th = np.float64(p) * mult[i]
+                c = np.float32(math.cos(th) * mscale)
+                s = np.float32(math.sin(th) * mscale)
                 x0 = hb[w, a]
                 x1 = hb[w, b]
-                c = cs[i]
-                s = sn[i]
                 if is_q:
                     q[t, base + a] = x0 * c - x1 * s
                     q[t, base + b] = x0 * s + x1 * c
@@ -210,12 +232,11 @@ def _qk_rope_kv_k(q, k, v, qw, kw, mode, eps, mult, mscale, neox, n_rot, n_head,
                     q[t, base + d] = hb[w, d]
                 else:
                     kc[h, p, d] = hb[w, d]
+            if not is_q:
+                for d in range(lane, hd, _QK_LANES):
+                    vc[h, p, d] = v[t, base + d]
             _syncwarp()
-        for idx in range(tid, n_kv * hd, nt):
-            h = idx // hd
-            kc_d = idx - h * hd
-            vc[h, p, kc_d] = v[t, idx]
-        cuda.syncthreads()
+        cuda.syncthreads()  # hb and red are reused by the next token
 
 
 def qk_rope_kv(q, k, v, q_norm, k_norm, mode: int, eps: float, mult, mscale: float, neox: bool, n_rot: int,
@@ -225,12 +246,13 @@ def qk_rope_kv(q, k, v, q_norm, k_norm, mode: int, eps: float, mult, mscale: flo
     f32[H*hd] / f32[Hkv*hd]; QK_NONE: none, the weights unused), rope of q and k (as rope()), q rotated in place,
     the rotated k and v appended to the float16 caches kc, vc [Hkv, ctx, hd] (as kv_append()). q f32[>=ntok,
     H*hd]; k, v f32[>=ntok, Hkv*hd]."""
-    if n_rot // 2 > _MAX_HALF or n_rot > head_dim or head_dim > _MAX_HD:
+    if n_rot > head_dim or head_dim > _MAX_HD:
         raise StrataError(f"qk_rope_kv: n_rot {n_rot} / head_dim {head_dim} unsupported (head_dim at most {_MAX_HD})")
     if ntok <= 0:
         return
-    blocks = min(2, ntok) if _sim() else min(ntok, 65535)
-    _qk_rope_kv_k[blocks, _QK_THREADS, stream](q, k, v, q_norm, k_norm, int(mode), float(eps), mult,
+    groups = 1 if mode == QK_FULL else -(-(n_head + n_kv) // _QK_WARPS)
+    grid = (groups, min(2, ntok) if _sim() else min(ntok, 65535))
+    _qk_rope_kv_k[grid, _QK_THREADS, stream](q, k, v, q_norm, k_norm, int(mode), float(eps), mult,
                                                           float(mscale), bool(neox), int(n_rot), int(n_head),
                                                           int(n_kv), int(head_dim), kc, vc, pos0, ntok)
 
@@ -240,56 +262,61 @@ def qk_rope_kv(q, k, v, q_norm, k_norm, mode: int, eps: float, mult, mscale: flo
 @cuda.jit(cache=True)
 def _route_topk_k(logits, k, renorm, scale, ids, wts, ntok, pub, x, slot_of, mb_x, mb_ids, mb_wts, mb_slot, done,
                   counter, mb_seq):
-    buf = cuda.shared.array(_RED, np.float32)
+    # Warp 0 routes (softmax by shuffles, then k rounds of a warp argmax: no block barrier on the critical path);
+    # the other warps copy the MoE input row to the mailbox meanwhile.
     p = cuda.shared.array(_MAX_EXPERTS, np.float32)
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
+    lane = tid & (_QK_LANES - 1)
     ne = logits.shape[1]
     sc = np.float32(scale)
     for t in range(cuda.blockIdx.x, ntok, cuda.gridDim.x):
-        m = -np.inf
-        for e in range(tid, ne, nt):
-            m = max(m, logits[t, e])
-        m = block_max(buf, np.float32(m))
-        s = np.float32(0.0)
-        for e in range(tid, ne, nt):
-            pe = np.float32(math.exp(logits[t, e] - m))
-            p[e] = pe
-            s += pe
-        tot = block_sum(buf, s)
-        for e in range(tid, ne, nt):
-            p[e] = p[e] / tot
-        cuda.syncthreads()
-        # the rank of expert e in (probability descending, id ascending) order: the top k write themselves
-        for e in range(tid, ne, nt):
-            pe = p[e]
-            rank = 0
-            for f in range(ne):
-                pf = p[f]
-                if pf > pe or (pf == pe and f < e):
-                    rank += 1
-            if rank < k:
-                ids[t, rank] = e
-                wts[t, rank] = pe
-        cuda.syncthreads()
-        if tid == 0:
+        if pub:
+            for i in range(tid, x.shape[1], nt):
+                mb_x[t, i] = x[t, i]
+        if tid < _QK_LANES:
+            m = -np.inf
+            for e in range(lane, ne, _QK_LANES):
+                m = max(m, logits[t, e])
+            m = _warp_max(np.float32(m))
+            s = np.float32(0.0)
+            for e in range(lane, ne, _QK_LANES):
+                pe = np.float32(math.exp(logits[t, e] - m))
+                p[e] = pe
+                s += pe
+            tot = _warp_sum(s)
+            for e in range(lane, ne, _QK_LANES):
+                p[e] = p[e] / tot
+            _syncwarp()
             wsum = np.float32(0.0)
-            for j in range(k):
-                wsum += wts[t, j]
-            for j in range(k):
+            for j in range(k):  # the j-th largest probability (ties to the lower id), then taken out
+                bv = np.float32(-1.0)
+                bi = ne
+                for e in range(lane, ne, _QK_LANES):  # ascending ids: a tie keeps the lower one
+                    if p[e] > bv:
+                        bv = p[e]
+                        bi = e
+                bv, bi = _warp_best(bv, bi)
+                bi = min(bi, ne - 1)  # a row of NaNs picks nothing: stay in range
+                wsum += bv
+                if lane == 0:
+                    ids[t, j] = bi
+                    wts[t, j] = bv
+                    p[bi] = np.float32(-2.0)
+                _syncwarp()
+            for j in range(lane, k, _QK_LANES):
                 wj = wts[t, j]
                 if renorm:
                     wj = wj / wsum
                 wts[t, j] = wj * sc
+            _syncwarp()
+            if pub:  # the host's copy: the choices and each choice's VRAM slot (-1: the CPU's)
+                for j in range(lane, k, _QK_LANES):
+                    e = ids[t, j]
+                    mb_ids[t, j] = e
+                    mb_wts[t, j] = wts[t, j]
+                    mb_slot[t, j] = slot_of[e]
         cuda.syncthreads()
-        if pub:  # the host's copy: the MoE input row, the choices and each choice's VRAM slot (-1: the CPU's)
-            for i in range(tid, x.shape[1], nt):
-                mb_x[t, i] = x[t, i]
-            for j in range(tid, k, nt):
-                e = ids[t, j]
-                mb_ids[t, j] = e
-                mb_wts[t, j] = wts[t, j]
-                mb_slot[t, j] = slot_of[e]
     if pub:  # the last block to finish rings: counter += 1, written to the host after every block's rows
         cuda.threadfence_system()
         cuda.syncthreads()
@@ -314,6 +341,8 @@ def route_topk(logits, k: int, renorm: bool, scale: float, ids, wts, ntok: int, 
     if ntok <= 0:
         return
     b, t = _launch_rows(ntok, 128)
+    if _sim():
+        t = 1  # one one-lane warp
     if publish is None:
         z = ids[:1, :1]  # placeholders of the right types, never touched
         pub = (0, wts[:1], z[0], wts[:1], z, wts[:1, :1], z, z[0], z[0], z[0])

@@ -197,11 +197,13 @@ def test_moe_gate_up(qtype, off):
             assert (np.abs(got[i] - want) <= bound).all(), (t, j)
 
 
-@pytest.mark.parametrize("qtype", TYPES)
-def test_moe_down(qtype):
-    """out[t] += sum_j w[t, j] * D_e h[t*k+j] over the resident choices, in place on the residual stream."""
+@pytest.mark.parametrize("qtype,f", [pytest.param(q, k_of(q), id=QUANT_INFO[q][0]) for q in SUPPORTED]
+                         + [pytest.param(Q4_K, 2 * mm.MV_CHUNK, id="Q4_K-chunked")])
+def test_moe_down(qtype, f):
+    """out[t] += sum_j w[t, j] * D_e h[t*k+j] over the resident choices, in place on the residual stream (rows
+    longer than a shared-memory stage: in chunks)."""
     rng = np.random.default_rng(400 + qtype)
-    n, f = 6, k_of(qtype)
+    n = 6
     rb = row_bytes(qtype, f)
     mats = {e: [random_rows(qtype, n, f, rng)] for e in range(6)}
     slots = _slots_with(qtype, mats, MOE_SLOT_OF, rng, (70,), (rb,))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Device call during development (carry [".gpu"]): the GPU test files, per-kernel decode times on the 2-layer
-# model, then hybrid_vs_llama.py on the full uniform model with whatever time is left (arms in $ARMS order).
+# Device call during development (carry [".gpu"]): the GPU test files, the matrix kernels' launch shapes
+# (VARIANTS="4x4,4x2,..." runs matvec_variants.py), per-kernel decode times on the 2-layer model, then
+# hybrid_vs_llama.py on the full uniform model with whatever time is left (BENCH_ARGS=none: no benchmark).
 set -uo pipefail
 BUDGET=${CALL_BUDGET:-560}
 OUT=${OUT:-/tmp/gpu-out}
@@ -12,13 +13,19 @@ export BENCH_MIRROR_DIR=$OUT
 SMOKE=$(bash bench/gpu/synth.sh path smoke)
 UNI=$(bash bench/gpu/synth.sh path uniform)
 bash bench/gpu/build_llama.sh start
-SYNTH_NICE=10 bash bench/gpu/synth.sh start smoke uniform
+if [ "${BENCH_ARGS:-}" = none ]; then SYNTH_NICE=10 bash bench/gpu/synth.sh start smoke
+else SYNTH_NICE=10 bash bench/gpu/synth.sh start smoke uniform; fi
 ts "pytest GPU files"
 timeout -s INT -k 20 ${PYTEST_S:-200} python3 -m pytest -q -p no:cacheprovider -rfE ${TESTS:-tests/test_cuda_ops.py tests/test_cuda_matmul.py tests/test_hybrid.py} >"$OUT/pytest.log" 2>&1
 ts "pytest rc $?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | tail -15
+if [ -n "${VARIANTS:-}" ]; then
+    ts "matvec_variants $VARIANTS"
+    timeout -k 10 ${VARIANTS_S:-150} python3 bench/gpu/matvec_variants.py --variants "$VARIANTS" 2>&1 | grep -v -i warn | tee "$OUT/variants.log"
+fi
 bash bench/gpu/synth.sh wait 60 smoke
 ts "profile_decode"
 timeout -k 10 ${PROFILE_S:-100} python3 bench/gpu/profile_decode.py -m "$SMOKE" 2>&1 | grep -v -i warn | tee "$OUT/profile.log"
+[ "${BENCH_ARGS:-}" = none ] && { ls -la "$OUT"; exit 0; }
 bash bench/gpu/synth.sh wait 120 uniform
 grep -h 'rc .* after' /tmp/models/*.log | tr '\r' '\n' | tail -3
 t=$(($(left) - 15))

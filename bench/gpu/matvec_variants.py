@@ -1,0 +1,135 @@
+"""Decode matrix kernels at Qwen3-30B-A3B shapes under several launch shapes (run on the GPU machine).
+
+    python3 bench/gpu/matvec_variants.py [--reps 50] [--variants 4x4,4x2,8x2,2x4,4x1]
+
+A variant WxR sets MV_WARPS = W warps a block and MV_ROWS = MV_ROWS_SMALL = MV_ROWS_DOWN = R rows a warp (kernels
+compiled afresh, without the on-disk cache, whose key does not hold those constants). Each kernel is timed alone,
+`reps` launches captured in one CUDA graph (as profile_decode.py), with random weight bytes (timing only: the
+values do not matter). A copy kernel reading the same bytes gives each shape's floor (launch + one pass over the
+bytes), and GB/s is against the bytes each kernel must read.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+from numba import cuda, uint32
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from strata_nb.cpu_kernels.qtypes import F32, Q4_K, Q6_K, row_bytes  # noqa: E402
+from strata_nb.cuda_kernels import matmul as mm  # noqa: E402
+from strata_nb.runtime.cuda_rt import Graph  # noqa: E402
+
+D, QD, KVD, E, F, K = 2048, 4096, 512, 128, 768, 8  # hidden, q width, k/v width, experts, expert ff, top-k
+
+_jit = cuda.jit
+
+
+def _jit_nocache(*a, **kw):
+    kw.pop("cache", None)
+    return _jit(*a, **kw)
+
+
+@cuda.jit
+def _touch(w, out):
+    """Reads every uint32 of w once (grid-stride), so a launch costs what one pass over the bytes costs."""
+    acc = uint32(0)
+    for i in range(cuda.grid(1), w.shape[0], cuda.gridsize(1)):
+        acc ^= w[i]
+    if acc == 0x12345678:
+        out[0] = acc
+
+
+def rand_u8(rng, rows: int, rb: int):
+    a = rng.integers(0, 256, (rows, rb), dtype=np.uint8)
+    if rb % 2 == 0:  # keep fp16 fields finite-ish: clear the exponent's top bit of every 16-bit word
+        a.view(np.uint16)[...] &= 0xBFFF
+    return cuda.to_device(a)
+
+
+def timed(fn, st, reps: int) -> float:
+    g = Graph(lambda s: [fn(s) for _ in range(reps)], st, "bench")
+    g.launch(st)
+    st.synchronize()
+    e0, e1 = cuda.event(), cuda.event()
+    e0.record(st)
+    g.launch(st)
+    e1.record(st)
+    e1.synchronize()
+    g.close()
+    return 1e3 * cuda.event_elapsed_time(e0, e1) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--variants", default="4x4,4x2,8x2,2x4,4x1")
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    st = cuda.stream()
+    f32 = lambda *s: cuda.to_device(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    wq, wk, wv = rand_u8(rng, QD, row_bytes(Q4_K, D)), rand_u8(rng, KVD, row_bytes(Q4_K, D)), \
+        rand_u8(rng, KVD, row_bytes(Q6_K, D))
+    wo = rand_u8(rng, D, row_bytes(Q4_K, QD))
+    wr = rand_u8(rng, E, row_bytes(F32, D))
+    wr.copy_to_device(rng.standard_normal((E, D)).astype(np.float32).view(np.uint8))
+    rbg, rbd = row_bytes(Q4_K, D), row_bytes(Q6_K, F)
+    slot_bytes = 2 * F * rbg + D * rbd
+    slots = rand_u8(rng, E, slot_bytes)
+    slot_of = cuda.to_device(np.arange(E, dtype=np.int32))
+    ids = cuda.to_device(rng.choice(E, K, replace=False).astype(np.int32).reshape(1, K))
+    wts = cuda.to_device(np.full((1, K), 0.125, np.float32))
+    x, xn, nw = f32(1, D), f32(1, D), f32(D)
+    q, kk, v, att, rl = f32(1, QD), f32(1, KVD), f32(1, KVD), f32(1, QD), f32(1, E)
+    h = f32(K, F)
+    out = f32(1, D)
+    sink = cuda.device_array(1, np.uint32)
+
+    def mb(*arrs) -> float:
+        return sum(int(np.prod(w.shape)) for w in arrs) / 1e6
+
+    cases = {
+        "qkv+norm": (lambda s: mm.matvec([(Q4_K, wq, q, False), (Q4_K, wk, kk, False), (Q6_K, wv, v, False)], x, s,
+                                         norm=nw, eps=1e-6), mb(wq, wk, wv)),
+        "qkv": (lambda s: mm.matvec([(Q4_K, wq, q, False), (Q4_K, wk, kk, False), (Q6_K, wv, v, False)], x, s),
+                mb(wq, wk, wv)),
+        "o (accum)": (lambda s: mm.matvec([(Q4_K, wo, x, True)], att, s), mb(wo)),
+        "router+norm": (lambda s: mm.matvec([(F32, wr, rl, False)], x, s, norm=nw, eps=1e-6, x_out=xn), mb(wr)),
+        "gate_up x8": (lambda s: mm.moe_gate_up((Q4_K, 0, rbg), (Q4_K, F * rbg, rbg), slots, F, slot_of, ids, xn, h,
+                                                1, s), K * 2 * F * rbg / 1e6),
+        "down x8": (lambda s: mm.moe_down((Q6_K, 2 * F * rbg, rbd), slots, D, slot_of, ids, wts, h, out, 1, s),
+                    K * D * rbd / 1e6),
+    }
+    floors = {}
+    for name, (_, mbytes) in cases.items():
+        n32 = int(mbytes * 1e6) // 4
+        buf = cuda.device_array(n32, np.uint32)
+        floors[name] = timed(lambda s, buf=buf: _touch[min(-(-n32 // 256), 132 * 16), 256, s](buf, sink), st, a.reps)
+    mm.cuda.jit = _jit_nocache  # variants differ in module constants the on-disk cache key does not hold
+    print(f"{'kernel':14s} {'MB':>6s} {'floor us':>9s} " + " ".join(f"{v:>14s}" for v in a.variants.split(",")))
+    res = {}
+    for var in a.variants.split(","):
+        w, r = (int(t) for t in var.split("x"))
+        mm.MV_WARPS, mm.MV_ROWS, mm.MV_ROWS_SMALL, mm.MV_ROWS_DOWN = w, r, r, r
+        mm._RED = w * mm.LANES
+        mm._KERNELS.clear()
+        for name, (fn, mbytes) in cases.items():
+            try:
+                fn(st)
+                st.synchronize()
+                res[name, var] = timed(fn, st, a.reps)
+            except Exception as e:  # a variant that does not compile is reported, not fatal
+                print(f"  {name} {var}: {type(e).__name__}: {str(e)[:120]}")
+                res[name, var] = float("nan")
+    for name, (_, mbytes) in cases.items():
+        cells = []
+        for var in a.variants.split(","):
+            us = res[name, var]
+            cells.append(f"{us:6.2f} {mbytes / us * 1e-3 if us == us else 0:5.2f}TB")
+        print(f"{name:14s} {mbytes:6.2f} {floors[name]:9.2f} " + " ".join(f"{c:>14s}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
