@@ -288,7 +288,7 @@ def swiglu_quant(g, u, h, hq, hd, hs):
 
 
 @njit(cache=True, nogil=True)
-def pool_split(ids, slot, masked, experts, counts, missed):
+def pool_split(ids, slot, masked, experts, counts, missed, tally_a, tally_b):
     """The hybrid engine's CPU expert pool, one layer's routing in one call (no numpy temporaries).
 
     ids i32[T, k]     the layer's expert choices, as the GPU published them
@@ -298,6 +298,8 @@ def pool_split(ids, slot, masked, experts, counts, missed):
     experts, counts   i64[n_expert] buffers: experts[:G] the distinct experts of all choices (hits included),
                       ascending, counts[:G] how many choices each got (profile, cache placement, stats)
     missed            i64[n_expert] buffer: missed[:M] the distinct experts with at least one miss, ascending
+    tally_a, tally_b  [n_expert] arrays (any number type) that each get every expert's count of choices added:
+                      the VRAM cache's and the stats' rows of this layer (a scratch row where one is not kept)
     returns (G, M, hits, misses)
     """
     ntok, k = ids.shape
@@ -324,6 +326,8 @@ def pool_split(ids, slot, masked, experts, counts, missed):
             experts[g] = e
             counts[g] = c
             g += 1
+            tally_a[e] += c
+            tally_b[e] += c
         if missed[e]:
             missed[m] = e
             m += 1

@@ -36,6 +36,7 @@ SIM = bool(config.ENABLE_CUDASIM)
 # GPU that way). Prompt: 4 warps a block, each 4 rows x 8 tokens (a unit is decoded once per 8 tokens; its 16
 # activations are loaded once for 4 rows). Simulator: one-lane warps, one warp a block, small tiles.
 MV_WARPS, MV_ROWS, MV_ROWS_SMALL = (1, 2, 2) if SIM else (4, 4, 2)
+MV_WARPS_WIDE = 1 if SIM else 8  # dense launches of long rows or few rows: 8 warps of one row (see _mv_shape)
 MV_ROWS_DOWN = 2 if SIM else 4  # rows of a moe_down block (its warps take different choices of those rows)
 MV_CHUNK = 256 if SIM else 8192  # activation elements staged in shared memory at a time (32 KB)
 TILE_WARPS, TILE_ROWS, TILE_TOKS = (1, 2, 2) if SIM else (4, 4, 8)
@@ -47,7 +48,7 @@ _SH = (1, 1)  # the tiled kernel's _warp_reduce scratch (unused)
 # costs milliseconds, so one thread walks all units of its rows and nothing needs reducing.
 LANES = 1 if SIM else 32
 LANE_MASK, WARP_SHIFT = LANES - 1, (LANES - 1).bit_length()
-_RED = MV_WARPS * LANES  # block_sum's buffer: one float per thread
+_RED = max(MV_WARPS, MV_WARPS_WIDE) * LANES  # block_sum's buffer: one float per thread
 _ONE = np.float32(1.0)
 _EXP_CAP = np.float32(80.0)
 _ZERO = np.float32(0.0)
@@ -144,17 +145,17 @@ def _chunks(k: int) -> tuple[int, int]:
     return MV_CHUNK, -(-k // MV_CHUNK)
 
 
-def _dense_fn(types: tuple, k: int, rows: int, norm: bool):
+def _dense_fn(types: tuple, k: int, rows: int, warps: int, norm: bool):
     """The matrix-vector kernel for up to three matrices (types: their (qtype, word) pairs) reading one activation
-    row of k elements, RMS-normalized on its way into shared memory when norm (memoized)."""
-    key = ("dense", types, k, rows, norm)
+    row of k elements, RMS-normalized when norm, by blocks of `warps` warps of `rows` rows each (memoized)."""
+    key = ("dense", types, k, rows, warps, norm)
     if key in _KERNELS:
         return _KERNELS[key]
     dots = [_dot_rows(qt, wd, rows) for qt, wd in types]
     d0, d1, d2 = (dots + [dots[0]] * 3)[:3]  # absent matrices get no blocks; their slot is never called
     ch, nch = _chunks(k)
     cu, nunits = ch // UNIT, k // UNIT
-    warps, nthr = MV_WARPS, MV_WARPS * LANES
+    nthr = warps * LANES
 
     @cuda.jit(cache=True)
     def dense(x, nw, eps, xo, write_xo,
@@ -284,23 +285,19 @@ def _gate_up_fn(tg: tuple, tu: tuple, k: int, rows: int):
 def _down_fn(td: tuple, k: int, rows: int):
     """The experts' down matrices, weighted and summed over a token's resident choices, added to the residual
     stream in the epilogue (memoized). A block owns `rows` rows of every choice: its warps take different choices
-    (so their weight loads are in flight together), staged at once in shared memory with the router weight
-    applied, and their sums meet in shared memory in warp order (deterministic)."""
+    (so their weight loads are in flight together), reading each choice's h row straight from global memory (a
+    shared-memory stage of every choice's row would put k * F / threads loads a thread before the first weight
+    load), and their sums meet in shared memory in warp order (deterministic)."""
     key = ("down", td, k, rows)
     if key in _KERNELS:
         return _KERNELS[key]
     dd = _dot_rows(*td, rows)
-    if k <= MV_CHUNK:  # `per` whole entries a stage
-        per, span, nch = MV_CHUNK // k, k, 1
-    else:  # one entry a stage, in chunks
-        per, span, nch = 1, MV_CHUNK, -(-k // MV_CHUNK)
-    sh_len, cu, nunits = per * span, span // UNIT, k // UNIT
+    nunits = k // UNIT
     warps, nthr = MV_WARPS, MV_WARPS * LANES
     red_len = MV_WARPS * rows
 
     @cuda.jit(cache=True)
     def down(w8, wv, wh, slot_bytes, off, rb, nrows, slot_of, ids, wts, h, out, ntok):
-        xs = cuda.shared.array(sh_len, float32)
         red = cuda.shared.array(red_len, float32)
         q = cuda.local.array(UNIT, float32)
         xv = cuda.local.array(UNIT, float32)
@@ -308,6 +305,7 @@ def _down_fn(td: tuple, k: int, rows: int):
         mn = cuda.local.array(4, float32)
         sx = cuda.local.array(4, float32)
         acc = cuda.local.array(rows, float32)
+        accj = cuda.local.array(rows, float32)
         tid = cuda.threadIdx.x
         lane = tid & LANE_MASK
         w = tid >> WARP_SHIFT
@@ -316,27 +314,18 @@ def _down_fn(td: tuple, k: int, rows: int):
         for t in range(cuda.blockIdx.y, ntok, cuda.gridDim.y):
             for o in range(rows):
                 acc[o] = _ZERO
-            for j0 in range(0, kk, per):
-                for c in range(nch):
-                    cuda.syncthreads()
-                    for e in range(tid, sh_len, nthr):
-                        jj = e // span
-                        col = c * span + e - jj * span
-                        v = _ZERO
-                        if j0 + jj < kk and col < k:
-                            v = h[_U(t * kk + j0 + jj), _U(col)] * wts[_U(t), _U(j0 + jj)]
-                        xs[e] = v
-                    cuda.syncthreads()
-                    u0 = c * cu
-                    u1 = min(nunits, u0 + cu)
-                    for jj in range(w, per, warps):
-                        j = j0 + jj
-                        if j < kk:
-                            slot = slot_of[_U(ids[_U(t), _U(j)])]
-                            if slot >= 0:  # the same for the whole warp
-                                dd(w8, wv, wh, slot * slot_bytes + off, rb, r0, nrows - 1, u0, u1, xs,
-                                   (c - jj) * span, q, s, mn, xv, sx, acc, 0)
+            for j in range(w, kk, warps):
+                slot = slot_of[_U(ids[_U(t), _U(j)])]
+                if slot >= 0:  # the same for the whole warp
+                    for o in range(rows):
+                        accj[o] = _ZERO
+                    dd(w8, wv, wh, slot * slot_bytes + off, rb, r0, nrows - 1, 0, nunits, h[_U(t * kk + j)], 0, q,
+                       s, mn, xv, sx, accj, 0)
+                    wj = wts[_U(t), _U(j)]
+                    for o in range(rows):  # the weight distributes over the lanes' partial sums
+                        acc[o] += wj * accj[o]
             _warp_reduce(acc, rows, red)
+            cuda.syncthreads()  # red is free (the previous token's sums were read)
             if lane == 0:
                 for o in range(rows):
                     red[w * rows + o] = acc[o]
@@ -347,7 +336,6 @@ def _down_fn(td: tuple, k: int, rows: int):
                     for ww in range(1, warps):
                         v += red[ww * rows + o]
                     out[_U(t), _U(r0 + o)] += v
-            cuda.syncthreads()
 
     _KERNELS[key] = down
     return down
@@ -494,6 +482,17 @@ def _mv_rows(total_rows: int) -> int:
     return MV_ROWS if -(-total_rows // (MV_ROWS * MV_WARPS)) >= 264 else MV_ROWS_SMALL
 
 
+def _mv_shape(k: int, total_rows: int) -> tuple[int, int]:
+    """(warps a block, rows a warp) of a dense matrix-vector launch. A block first stages the row (k / threads
+    loads a thread, on the critical path), so long rows and launches too short to fill the GPU take 8 warps of
+    one row; the rest 4 warps of 2 rows, or 4 for huge launches (the head). Measured on an H200 at Qwen3-30B-A3B
+    shapes (bench/gpu/matvec_variants.py): K=4096 x 2048 rows 9.9 us at 8x1 vs 12.5 at 4x2 and 17.0 at 4x4;
+    128 rows 9.6 vs 10.7 / 17.2; 5120 rows of K=2048 12.7 at 4x2 vs 13.6 at 4x4 and 15.8 at 8x1."""
+    if k > 2048 or total_rows < 1024:
+        return MV_WARPS_WIDE, 1
+    return MV_WARPS, (MV_ROWS if total_rows >= 32768 else MV_ROWS_SMALL)
+
+
 def matmul(qtype: int, w, x, out, ntok: int, stream, accumulate: bool = False) -> None:
     """out[t, r] (+)= dequant(w[r]) . x[t] for t < ntok. w u8[N, row_bytes], x f32[>=ntok, K], out f32[>=ntok, N]
     (device arrays). ntok == 1 runs the matrix-vector kernel, larger ntok the tiled one."""
@@ -537,8 +536,8 @@ def matvec(mats, x, stream, norm=None, eps: float = 0.0, x_out=None) -> None:
         args.append((w8, wv, wh, rb, nrows, out, int(accumulate)))
         total += nrows
     _check_act("x", x, 1, k)
-    rows = _mv_rows(total)
-    blocks = [-(-a[4] // (rows * MV_WARPS)) for a in args]
+    warps, rows = _mv_shape(k, total)
+    blocks = [-(-a[4] // (rows * warps)) for a in args]
     while len(args) < 3:  # absent matrices: no blocks
         args.append(args[0])
         blocks.append(0)
@@ -546,8 +545,8 @@ def matvec(mats, x, stream, norm=None, eps: float = 0.0, x_out=None) -> None:
         raise StrataError(f"GPU matvec: norm weight of {norm.shape[0]} for rows of {k}")
     nw = norm if norm is not None else x[0]
     xo = x_out if x_out is not None else x
-    fn = _dense_fn(tuple(types), k, rows, norm is not None)
-    fn[sum(blocks), LANES * MV_WARPS, stream](x, nw, float(eps), xo, int(x_out is not None),
+    fn = _dense_fn(tuple(types), k, rows, warps, norm is not None)
+    fn[sum(blocks), LANES * warps, stream](x, nw, float(eps), xo, int(x_out is not None),
                                               *args[0], blocks[0], *args[1], blocks[1], *args[2])
 
 

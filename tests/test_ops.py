@@ -189,12 +189,17 @@ def test_pool_split():
     rng = np.random.default_rng(7)
     ne = 16
     experts, counts, missed = (np.full(ne, 99, np.int64) for _ in range(3))
+    ta, tb = np.full(ne, 0.5), np.zeros(ne, np.int64)
     for ntok, k in ((1, 4), (3, 4), (5, 2)):
         ids = np.array([rng.choice(ne, k, replace=False) for _ in range(ntok)], np.int32)
         slot = np.where(rng.random((ntok, k)) < 0.5, rng.integers(0, 8, (ntok, k)), -1).astype(np.int32)
         masked = np.full((ntok, k), 77, np.int32)
-        g, m, nh, nm = ops.pool_split(ids, slot, masked, experts, counts, missed)
+        before = ta.copy(), tb.copy()
+        g, m, nh, nm = ops.pool_split(ids, slot, masked, experts, counts, missed, ta, tb)
         uniq, cnt = np.unique(ids, return_counts=True)
+        per = np.bincount(ids.ravel(), minlength=ne)
+        for got, was in zip((ta, tb), before):
+            np.testing.assert_array_equal(got, was + per)
         hit = slot >= 0
         np.testing.assert_array_equal(masked, np.where(hit, -1, ids))
         np.testing.assert_array_equal(experts[:g], uniq)

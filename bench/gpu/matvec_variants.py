@@ -1,9 +1,10 @@
 """Decode matrix kernels at Qwen3-30B-A3B shapes under several launch shapes (run on the GPU machine).
 
-    python3 bench/gpu/matvec_variants.py [--reps 50] [--variants 4x4,4x2,8x2,2x4,4x1]
+    python3 bench/gpu/matvec_variants.py [--reps 50] [--variants auto,4x4,4x2,8x1]
 
-A variant WxR sets MV_WARPS = W warps a block and MV_ROWS = MV_ROWS_SMALL = MV_ROWS_DOWN = R rows a warp (kernels
-compiled afresh, without the on-disk cache, whose key does not hold those constants). Each kernel is timed alone,
+A variant WxR gives every launch W warps a block and R rows a warp (the dense launches' shape rule _mv_shape is
+replaced; kernels compiled afresh, without the on-disk cache, whose key does not hold those constants); "auto"
+keeps the engine's own rule. Each kernel is timed alone,
 `reps` launches captured in one CUDA graph (as profile_decode.py), with random weight bytes (timing only: the
 values do not matter). A copy kernel reading the same bytes gives each shape's floor (launch + one pass over the
 bytes), and GB/s is against the bytes each kernel must read.
@@ -62,10 +63,20 @@ def timed(fn, st, reps: int) -> float:
     return 1e3 * cuda.event_elapsed_time(e0, e1) / reps
 
 
+def _run(fn, st, reps: int, name: str, var: str) -> float:
+    try:
+        fn(st)
+        st.synchronize()
+        return timed(fn, st, reps)
+    except Exception as e:  # a variant that does not compile is reported, not fatal
+        print(f"  {name} {var}: {type(e).__name__}: {str(e)[:120]}")
+        return float("nan")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--variants", default="4x4,4x2,8x2,2x4,4x1")
+    ap.add_argument("--variants", default="auto,4x4,4x2,8x1")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     st = cuda.stream()
@@ -110,24 +121,28 @@ def main() -> None:
     mm.cuda.jit = _jit_nocache  # variants differ in module constants the on-disk cache key does not hold
     print(f"{'kernel':14s} {'MB':>6s} {'floor us':>9s} " + " ".join(f"{v:>14s}" for v in a.variants.split(",")))
     res = {}
+    rule = mm._mv_shape
     for var in a.variants.split(","):
+        if var == "auto":
+            w, r = 4, 4
+            mm.MV_WARPS, mm.MV_ROWS, mm.MV_ROWS_SMALL, mm.MV_ROWS_DOWN = 4, 4, 2, 4
+            mm._mv_shape, mm._RED = rule, 8 * mm.LANES
+            mm._KERNELS.clear()
+            for name, (fn, _) in cases.items():
+                res[name, var] = _run(fn, st, a.reps, name, var)
+            continue
         w, r = (int(t) for t in var.split("x"))
         mm.MV_WARPS, mm.MV_ROWS, mm.MV_ROWS_SMALL, mm.MV_ROWS_DOWN = w, r, r, r
-        mm._RED = w * mm.LANES
+        mm._mv_shape = lambda k, n, w=w, r=r: (w, r)
+        mm._RED = max(w, 8) * mm.LANES
         mm._KERNELS.clear()
-        for name, (fn, mbytes) in cases.items():
-            try:
-                fn(st)
-                st.synchronize()
-                res[name, var] = timed(fn, st, a.reps)
-            except Exception as e:  # a variant that does not compile is reported, not fatal
-                print(f"  {name} {var}: {type(e).__name__}: {str(e)[:120]}")
-                res[name, var] = float("nan")
+        for name, (fn, _) in cases.items():
+            res[name, var] = _run(fn, st, a.reps, name, var)
     for name, (_, mbytes) in cases.items():
         cells = []
         for var in a.variants.split(","):
             us = res[name, var]
-            cells.append(f"{us:6.2f} {mbytes / us * 1e-3 if us == us else 0:5.2f}TB")
+            cells.append(f"{us:6.2f} {mbytes / us if us == us else 0:5.2f}TB")
         print(f"{name:14s} {mbytes:6.2f} {floors[name]:9.2f} " + " ".join(f"{c:>14s}" for c in cells))
 
 

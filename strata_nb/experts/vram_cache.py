@@ -192,10 +192,10 @@ class VRAMCache:
         self.table.copy_to_device(self.host_table, stream=stream)
         stream.synchronize()
 
-    def note(self, layer: int, experts: np.ndarray, n_tokens: np.ndarray, missed: np.ndarray) -> None:
-        """This layer routed n_tokens[i] choices to experts[i] (distinct); `missed` of the choices had no slot.
-        Counts them, and admits missed experts into free slots on first use (copies start at once)."""
-        self.counts[layer, experts] += n_tokens
+    def admit(self, layer: int, missed: np.ndarray) -> None:
+        """`missed` experts of this layer had choices no slot served: they are admitted into free slots on first
+        use (copies start at once). The routing counts (self.counts) are added by the caller, in the CPU pool's
+        compiled split of the layer's routing."""
         free = self.slot_expert.get(layer)
         if free is None or len(missed) == 0:
             return

@@ -195,6 +195,8 @@ class GPUBackend:
             np.ndarray.view(a, np.ndarray) for a in (self.mb.x, self.mb.ids, self.mb.wts, self.mb.slot, self.mb.y))
         self._pmask = np.empty((tm, k), np.int32)
         self._pexp, self._pcnt, self._pmiss = (np.empty(max(s.n_expert, 1), np.int64) for _ in range(3))
+        # pool_split's rows where no count is kept, typed as the kept ones (one compiled signature)
+        self._ptally = (np.zeros(max(s.n_expert, 1), np.float64), np.zeros(max(s.n_expert, 1), np.int64))
         self.cache = None
         if s.is_moe:
             self.cache = VRAMCache(self.experts.src, s.n_layer, s.n_expert, vram_slots,
@@ -357,17 +359,21 @@ class GPUBackend:
     def _cpu_pool(self, layer: int, T: int, stats: HybridStats | None) -> float:
         """The misses of `layer` for T tokens: read the published routing, compute, write the weighted sum. The
         per-layer glue is one compiled call on plain views of the mailbox (no numpy temporaries)."""
-        mb = self.mb
-        ng, nm_e, nh, nm = cops.pool_split(self._pids[:T], self._pslot[:T], self._pmask[:T], self._pexp,
-                                           self._pcnt, self._pmiss)
+        # one count of the layer's choices (hits included) for the cache's placement and the stats, added inside
+        # the split, and for the store (profile, residency) below; none while warming up
+        scratch, counting = self._ptally, not self._warming
+        ng, nm_e, nh, nm = cops.pool_split(
+            self._pids[:T], self._pslot[:T], self._pmask[:T], self._pexp, self._pcnt, self._pmiss,
+            self.cache.counts[layer] if counting else scratch[0],
+            stats.routed[layer] if counting and stats is not None else scratch[1])
         mask = self._pmask[:T]
-        uniq, cnt = self._pexp[:ng], self._pcnt[:ng]
         if self._warming:  # the pool computes every choice, so its kernels compile even when all of them hit VRAM
             mask[:] = self._pids[:T]
             nm = mask.size
-        else:  # one count of the layer's choices (hits included) for the profile, the cache's placement, the stats
-            self.experts.routed(layer, uniq, cnt)
-            self.cache.note(layer, uniq, cnt, self._pmiss[:nm_e])
+        else:
+            self.experts.routed(layer, self._pexp[:ng], self._pcnt[:ng])
+            if nm_e:
+                self.cache.admit(layer, self._pmiss[:nm_e])
         y = self._py[:T]
         y[:] = 0.0
         t0 = time.perf_counter()
@@ -380,7 +386,6 @@ class GPUBackend:
             stats.misses += nm
             stats.hit_bytes += nh * nb
             stats.miss_bytes += nm * nb
-            stats.routed[layer, uniq] += cnt
         return dt
 
     def _execute(self, segs: list[_Segment], T: int, stats: HybridStats | None) -> None:
