@@ -323,7 +323,7 @@ def derive(r: dict) -> dict:
         d["expert_bytes_per_token"] = (hb + mb) / steps if steps else float("nan")
         ce = hy.get("cpu_expert_s")  # time in the CPU expert kernels
         d["cpu_expert_gbs"] = mb / ce / 1e9 if ce and ce > 0 and mb else float("nan")
-        for k in ("graph_s", "wait_s", "cpu_s", "host_s"):
+        for k in ("graph_s", "wait_s", "cpu_s", "host_s", "launch_s", "glue_s", "handover_s", "end_s"):
             d[k.replace("_s", "_ms_per_token")] = 1000 * hy.get(k, float("nan")) / steps if steps else float("nan")
         if hy.get("routed") is not None and hy.get("slots") is not None:
             d["best_static_hit"] = best_static_hit(np.asarray(hy["routed"]), hy["slots"])
@@ -436,7 +436,8 @@ def report(meta: dict, runs: list[dict]) -> str:
     if st_all:
         lines += ["", "strata-nb per run: share, rep, decode tok/s, VRAM slots, hit rate by count / by bytes, best "
                       "static hit rate of the same slots, expert MB per token, CPU expert GB/s, load s, distinct "
-                      "tokens generated:", ""]
+                      "tokens generated; host ms/token as graph launches / pool glue / thread hand-over / token "
+                      "end:", ""]
         for r in st_all:
             d = derive(r)
             lines.append(f"- {100 * r['share']:g}% rep {r.get('rep', 0) + 1}: {_fmt(r['decode_tps'])} tok/s, "
@@ -447,7 +448,9 @@ def report(meta: dict, runs: list[dict]) -> str:
                             if d.get("best_static_hit") and _ok(d.get("hit_rate")) else "") + ", "
                          f"{_fmt(d.get('expert_bytes_per_token', float('nan')) / 1e6, 0)} MB/token, "
                          f"{_fmt(d.get('cpu_expert_gbs'))} GB/s, load {_fmt(r.get('load_s'))} s, "
-                         f"{r.get('distinct_tokens', '-')} of {r.get('n_tokens', '-')} tokens distinct")
+                         f"{r.get('distinct_tokens', '-')} of {r.get('n_tokens', '-')} tokens distinct; host "
+                         + " / ".join(_fmt(d.get(k), 2) for k in ("launch_ms_per_token", "glue_ms_per_token",
+                                                                    "handover_ms_per_token", "end_ms_per_token")))
     ll_all = [r for r in runs if r["arm"] == "llama.cpp"]
     if ll_all:
         rec = ll_all[0]["records"][0]

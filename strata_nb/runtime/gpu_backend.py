@@ -47,13 +47,19 @@ Op = Callable[[object], None]  # enqueues kernels on the stream it is given
 class HybridStats:
     """Accumulated over decode tokens. graph_s + wait_s + cpu_s + host_s is the wall time of those tokens:
     wait_s the doorbell waits (the GPU running a layer up to its publish), graph_s the wait for the last segment
-    (head and sampler), cpu_s the CPU expert pool, host_s everything else on the host (launches, bookkeeping)."""
+    (head and sampler), cpu_s the CPU expert pool, host_s everything else on the host; of host_s: launch_s the
+    graph launches, glue_s the pool's per-layer glue (routing split, counts, admissions, int8 activations),
+    handover_s the calls into the device thread and back, end_s the token's end (VRAM cache, sampled id)."""
 
     tokens: int = 0
     graph_s: float = 0.0
     wait_s: float = 0.0
     cpu_s: float = 0.0
     host_s: float = 0.0
+    launch_s: float = 0.0
+    glue_s: float = 0.0
+    handover_s: float = 0.0
+    end_s: float = 0.0
     hits: int = 0  # expert choices computed from VRAM slots
     misses: int = 0  # expert choices computed by the CPU pool
     hit_bytes: int = 0
@@ -376,10 +382,13 @@ class GPUBackend:
                 self.cache.admit(layer, self._pmiss[:nm_e])
         y = self._py[:T]
         y[:] = 0.0
-        t0 = time.perf_counter()
         if nm:
-            self.cpu.routed_experts(layer, self.cpu.activation(self._px[:T]), mask, self._pwts[:T], y, record=False)
-        dt = time.perf_counter() - t0
+            a = self.cpu.activation(self._px[:T])
+            t0 = time.perf_counter()
+            self.cpu.routed_experts(layer, a, mask, self._pwts[:T], y, record=False)
+            dt = time.perf_counter() - t0
+        else:
+            dt = 0.0
         if stats is not None:
             nb = self._expert_bytes[layer]
             stats.hits += nh
@@ -390,16 +399,22 @@ class GPUBackend:
 
     def _execute(self, segs: list[_Segment], T: int, stats: HybridStats | None) -> None:
         t0 = time.perf_counter()
-        wait = cpu = last = 0.0
+        wait = cpu = last = launch = glue = 0.0
         for seg in segs:
+            t1 = time.perf_counter()
             seg.launch(self.stream)
+            launch += time.perf_counter() - t1
             self._seq += 1
             if seg.doorbell is not None:
                 wait += self.mb.wait(self._seq, self.timeout_s, f"the routing of layer {seg.doorbell}")
-                cpu += self._cpu_pool(seg.doorbell, T, stats)
+                t1 = time.perf_counter()
+                dt = self._cpu_pool(seg.doorbell, T, stats)
+                cpu += dt
+                glue += time.perf_counter() - t1 - dt
             else:
                 last += self.mb.wait(self._seq, self.timeout_s, "the end of the forward")
         self._dev_pos += T
+        t1 = time.perf_counter()
         if self.cache is not None and not self._warming:
             self.cache.end_token(self.stream)
         if stats is not None:
@@ -407,6 +422,9 @@ class GPUBackend:
             stats.wait_s += wait
             stats.cpu_s += cpu
             stats.graph_s += last
+            stats.launch_s += launch
+            stats.glue_s += glue
+            stats.end_s += time.perf_counter() - t1
             stats.host_s += time.perf_counter() - t0 - wait - cpu - last
 
     def _set_pos(self, pos: int) -> None:
@@ -451,7 +469,12 @@ class GPUBackend:
 
     def _decode_step(self, stats: HybridStats) -> int:
         self._execute(self._decode_segments("sample"), 1, stats)
-        return self.sampler.result()
+        t0 = time.perf_counter()
+        tok = self.sampler.result()
+        dt = time.perf_counter() - t0
+        stats.end_s += dt
+        stats.host_s += dt
+        return tok
 
     def _gpu_sampler(self, config: SamplerConfig) -> GPUSampler:
         cap = max(self.n_ctx, int(config.repeat_last_n)) + 1
@@ -530,7 +553,9 @@ class GPUBackend:
             tok = self._thread.call(self._decode_step, self.hybrid)
             sampler.step += 1
             # the hand-over to the device thread and back is host work too: the breakdown adds up to the call
-            self.hybrid.host_s += time.perf_counter() - t0 - (self.hybrid.wall_s - h0)
+            dt = time.perf_counter() - t0 - (self.hybrid.wall_s - h0)
+            self.hybrid.host_s += dt
+            self.hybrid.handover_s += dt
         session.advance([int(t) for t in tokens])
         self.stats.dense_bytes += self._dense_per_token
         return tok
