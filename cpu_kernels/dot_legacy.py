@@ -10,20 +10,19 @@ Each block is decoded in registers to 32 small integers q = u - o (<32 x i8> u u
   dot_f32: sum of (d*q (+ m)) * x, float32 fma into 4 independent accumulators (the accuracy reference)
   dot_q8:  sum of d*xd[b] * (q . xq) (+ m * exact float sum of x), integer sums exact, converted to float once
            per block. With AVX512-VNNI two blocks per step: one vpdpbusd of u against 64 int8 activations, minus
-           o * sum(xq) from a second one. Otherwise one block per step, vpmaddwd on sign-extended lanes (AVX-512
-           or AVX2 intrinsic), or the generic even/odd i16 product pattern on other targets.
+           o * sum(xq) from a second one. Otherwise one block per step: vpmaddwd on sign-extended lanes (AVX-512),
+           vpsignb + vpmaddubsw + vpmaddwd (AVX2), or the generic even/odd i16 product pattern elsewhere.
 Rows stream from DRAM, so the loops prefetch PREFETCH_BYTES ahead of the block being read (rows of a matrix
 are contiguous, so this runs on into the next row).
 """
 from __future__ import annotations
 
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from strata_nb.cpu_kernels.ir import array_ptr
+from strata_nb.cpu_kernels.ir import array_ptr, host_features
 from strata_nb.cpu_kernels.qtypes import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
 PREFETCH_BYTES = 4096
@@ -168,38 +167,31 @@ def _dequant_vec(b: ir.IRBuilder, q: ir.Value, d: ir.Value, m: ir.Value | None) 
     return v if m is None else b.fadd(v, _splat(b, m, 32))
 
 
-def _host_features() -> set[str]:
-    """Features numba compiles for (the host CPU unless NUMBA_CPU_NAME/NUMBA_CPU_FEATURES say otherwise)."""
-    from numba.core import config
-
-    if config.CPU_FEATURES is not None:
-        feats = config.CPU_FEATURES
-    elif config.CPU_NAME not in (None, "host"):
-        return set()  # a named (portable) target: stay generic
-    else:
-        feats = llvm_binding.get_host_cpu_features().flatten()
-    return {f[1:] for f in feats.split(",") if f.startswith("+")}
-
-
-_FEATURES = _host_features()
+_FEATURES = host_features()
+# lanes of the integer block dot (_int_dot): AVX2 sums 4 products per i32 lane, the others 2
+_DOT_LANES = 8 if "avx2" in _FEATURES and not {"avx512f", "avx512bw"} <= _FEATURES else 16
 
 
 def _int_dot(b: ir.IRBuilder, q: ir.Value, xq: ir.Value) -> ir.Value:
-    """<16 x i32> sums of adjacent pairs of q*xq (vpmaddwd on sign-extended i16 lanes).
+    """<_DOT_LANES x i32> sums of adjacent products of the block's signed quants q and activations xq.
 
-    The x86 intrinsic where the target has it: from the generic even/odd pattern LLVM narrows the i8 x i8
-    products to i16 multiplies and shuffles (vpmullw + vpmovdw...), 2-3x slower than vpmaddwd."""
+    AVX-512: vpmaddwd on sign-extended i16 lanes. AVX2: vpmaddubsw on |q| and xq with q's sign (llama.cpp's
+    vpsignb trick: |q| <= 128 and |xq| <= 127, so the i16 pair sums cannot saturate), then vpmaddwd against
+    ones: half the instructions of the sign-extended form, which ran compute-bound. Elsewhere the generic
+    even/odd i16 product pattern: LLVM narrows it to i16 multiplies and shuffles (vpmullw + vpmovdw...), 2-3x
+    slower than the intrinsics."""
+    if _DOT_LANES == 8:
+        v32, v16w, v8 = _vec(_I8, 32), _vec(_I16, 16), _vec(_I32, 8)
+        sign = _intrinsic_fn(b, "llvm.x86.avx2.psign.b", v32, [v32, v32])
+        ubsw = _intrinsic_fn(b, "llvm.x86.avx2.pmadd.ub.sw", v16w, [v32, v32])
+        wd = _intrinsic_fn(b, "llvm.x86.avx2.pmadd.wd", v8, [v16w, v16w])
+        p = b.call(ubsw, [b.call(sign, [q, q]), b.call(sign, [xq, q])])
+        return b.call(wd, [p, ir.Constant(v16w, [1] * 16)])
     a = b.sext(q, _vec(_I16, 32))
     c = b.sext(xq, _vec(_I16, 32))
     if {"avx512f", "avx512bw"} <= _FEATURES:
         fn = _intrinsic_fn(b, "llvm.x86.avx512.pmaddw.d.512", _vec(_I32, 16), [_vec(_I16, 32)] * 2)
         return b.call(fn, [a, c])
-    if "avx2" in _FEATURES:
-        fn = _intrinsic_fn(b, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [_vec(_I16, 16)] * 2)
-        lo, hi = list(range(16)), list(range(16, 32))
-        r0 = b.call(fn, [_shuffle(b, a, None, lo), _shuffle(b, c, None, lo)])
-        r1 = b.call(fn, [_shuffle(b, a, None, hi), _shuffle(b, c, None, hi)])
-        return _shuffle(b, r0, r1, list(range(16)))
     even, odd = list(range(0, 32, 2)), list(range(1, 32, 2))
     v32 = _vec(_I32, 16)
     ae, ao = b.sext(_shuffle(b, a, None, even), v32), b.sext(_shuffle(b, a, None, odd), v32)
@@ -305,9 +297,9 @@ def _q8_rows(b: ir.IRBuilder, wp: ir.Value, nblk: ir.Value, decode, bb: int, tok
             new = []
             for k, (qp, dp, sp) in enumerate(toks):
                 xv = _load(b, qp, b.mul(i, _c(32)), _vec(_I8, 32))
-                isum = b.sitofp(_int_dot(b, q, xv), _vec(_F32, 16))
+                isum = b.sitofp(_int_dot(b, q, xv), _vec(_F32, _DOT_LANES))
                 scale = b.fmul(d, b.load(b.gep(dp, [i]), align=4))
-                new.append(_fma(b, isum, _splat(b, scale, 16), accs[k * nacc]))
+                new.append(_fma(b, isum, _splat(b, scale, _DOT_LANES), accs[k * nacc]))
                 if m is not None:
                     i2 = b.mul(i, _c(2))
                     sx = b.fadd(b.load(b.gep(sp, [i2]), align=4), b.load(b.gep(sp, [b.add(i2, _c(1))]), align=4))
@@ -339,7 +331,7 @@ def _q8_rows(b: ir.IRBuilder, wp: ir.Value, nblk: ir.Value, decode, bb: int, tok
 
     v16 = _vec(_F32, 16)
     nacc = 2 if has_min else 1
-    single_types = [v16] + ([_F32] if has_min else [])
+    single_types = [_vec(_F32, _DOT_LANES)] + ([_F32] if has_min else [])
     if vnni:
         npair = b.udiv(nblk, _c(2))
         accs = _row_loop(b, wp, npair, 2 * bb, ([v16] + ([_vec(_F32, 2)] if has_min else [])) * nt, pair)

@@ -19,17 +19,19 @@ from numba import njit
 
 from strata_nb.cpu_kernels import dot_kquant as kq
 from strata_nb.cpu_kernels.actq import quantize
+from strata_nb.cpu_kernels.ir import host_features
 from strata_nb.cpu_kernels.qtypes import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, row_bytes
 from strata_nb.errors import StrataError
 
 GT = gguf.GGMLQuantizationType
-# name -> (qtype id, gguf type, block bytes, fp16 offsets, quant byte range (zeroed to isolate the min term))
+# name -> (qtype id, gguf type, block bytes, fp16 offsets, quant byte range: zeroed, a block dequantizes to its
+# min and offset terms (-m, or -s * o), which dot_q8 takes on float x)
 TYPES = {
     "q2_k": (Q2_K, GT.Q2_K, 84, (80, 82), (16, 80)),
-    "q3_k": (Q3_K, GT.Q3_K, 110, (108,), None),
+    "q3_k": (Q3_K, GT.Q3_K, 110, (108,), (0, 96)),
     "q4_k": (Q4_K, GT.Q4_K, 144, (0, 2), (16, 144)),
     "q5_k": (Q5_K, GT.Q5_K, 176, (0, 2), (16, 176)),
-    "q6_k": (Q6_K, GT.Q6_K, 210, (208,), None),
+    "q6_k": (Q6_K, GT.Q6_K, 210, (208,), (0, 192)),
 }
 NAMES = list(TYPES)
 
@@ -50,17 +52,14 @@ def gguf_rows(name: str, w: np.ndarray) -> np.ndarray:
 
 def q8_reference(name: str, w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float64 dots of rows w with the int8 activations of x[T, K], split as the kernel computes them:
-    the scale part on xd * xq, the min part on float x. Returns (dots[T, rows], sum|terms|[T, rows])."""
+    the scale part on xd * xq, the min and offset part on float x. Returns (dots[T, rows], sum|terms|[T, rows])."""
     rows = w.shape[0]
     full = gguf_rows(name, w).astype(np.float64)
     qrange = TYPES[name][4]
-    if qrange is None:
-        mins = np.zeros_like(full)
-    else:  # zero quants: gguf gives -min per weight
-        nb = w.shape[1] // TYPES[name][2]
-        z = w.reshape(rows * nb, -1).copy()
-        z[:, qrange[0]:qrange[1]] = 0
-        mins = gguf_rows(name, z.reshape(rows, -1)).astype(np.float64)
+    nb = w.shape[1] // TYPES[name][2]
+    z = w.reshape(rows * nb, -1).copy()
+    z[:, qrange[0]:qrange[1]] = 0  # zero quants: gguf gives -m or -s * o per weight
+    mins = gguf_rows(name, z.reshape(rows, -1)).astype(np.float64)
     scaled = full - mins
     xq, xd, _ = quantize(x)
     xa = xq.astype(np.float64) * np.repeat(xd.astype(np.float64), 32, axis=1)
@@ -115,11 +114,24 @@ def test_dot_q8_matches_int8_reference_and_float(name, rng):
             assert abs(got - exact[t, r]) <= 5e-3 * scale[t, r], (got, exact[t, r])
 
 
+def _dot64_paths() -> list:
+    """The integer-dot builders this machine can run: the portable IR always, the x86 ones where numba's target
+    has the instructions."""
+    feats = host_features()
+    paths = [kq._dot64_generic]
+    if "avx2" in feats:
+        paths.append(kq._dot64_avx2)
+    if {"avx512f", "avx512bw", "avx512vnni"} <= feats:
+        paths.append(kq._dot64_vnni)
+    return paths
+
+
+@pytest.mark.parametrize("dot64", _dot64_paths(), ids=lambda f: f.__name__[7:])
 @pytest.mark.parametrize("name", NAMES)
-def test_dot_q8_generic_ir_path(name, rng):
-    """The portable integer-dot IR (used where numba's target lacks AVX512-VNNI) gives the same results."""
+def test_dot_q8_every_ir_path(name, dot64, rng):
+    """Each integer-dot IR path (the one chosen for this CPU and the others it can run) gives the same results."""
     bs = TYPES[name][2]
-    _, _, q8, q8m = kq._make_kernels(name, bs, getattr(kq, f"_unpack_{name}"), False)
+    _, _, q8, q8m = kq._make_kernels(name, bs, getattr(kq, f"_unpack_{name}"), dot64)
 
     @njit
     def dot(w, xq, xd, xs):
