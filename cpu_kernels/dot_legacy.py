@@ -396,6 +396,29 @@ def _ir_dot_q8_multi(typingctx, w, xq, xd, xs, toks, nblk, qt):
     return types.UniTuple(types.float32, len(toks))(w, xq, xd, xs, toks, types.int64, qt), codegen
 
 
+@intrinsic(prefer_literal=True)
+def _ir_dot_q8_rows(typingctx, w, r0, n, xq, xd, xs, out, nblk, qt):
+    """out[r0 + j] = dot_q8 of row r0 + j of the 2-D w (rows of nblk blocks, contiguous) for j < n: one call
+    for a task's rows, so the per-row call, checks and constants are paid once."""
+    decode, bb = _DECODERS[_qtype_of(qt)]
+
+    def codegen(context, builder, sig, args):
+        b = builder
+        nblk = b.sext(args[7], _I64)
+        rb = b.mul(nblk, _c(bb))
+        r0 = context.cast(b, args[1], sig.args[1], types.intp)
+        w0 = b.gep(array_ptr(context, b, sig.args[0], args[0]), [b.mul(r0, rb)])
+        op = b.gep(array_ptr(context, b, sig.args[6], args[6], _F32), [r0])
+        tok = (array_ptr(context, b, sig.args[3], args[3]), array_ptr(context, b, sig.args[4], args[4], _F32),
+               array_ptr(context, b, sig.args[5], args[5], _F32))
+        with cgutils.for_range(b, context.cast(b, args[2], sig.args[2], types.intp)) as loop:
+            j = loop.index
+            b.store(_q8_rows(b, b.gep(w0, [b.mul(j, rb)]), nblk, decode, bb, [tok])[0], b.gep(op, [j]))
+        return context.get_dummy_value()
+
+    return types.void(w, r0, n, xq, xd, xs, out, types.int64, qt), codegen
+
+
 # ---- shape checks: one compare per row (an IR loop past the end would read foreign memory). They take
 # lengths, not arrays: an array argument costs an NRT incref/decref pair per call, atomics that threads
 # sharing one activation row would contend on.
@@ -423,6 +446,17 @@ def _nblk_q8_multi(nw, nxq, nxd, nxs, ntok, toks, bb):
     for t in toks:
         if t < 0 or t >= ntok:
             raise ValueError("token index out of range of the activation rows")
+    return nblk
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _nblk_rows(wrows, wrow_stride, wbytes, wstride, nxq, nxd, nxs, r0, r1, nout, ostride, bb):
+    """Blocks per row of a 2-D matrix whose rows r0:r1 a dot_q8_rows call reads (into out[r0:r1])."""
+    nblk = _nblk_q8(wbytes, nxq, nxd, nxs, bb)
+    if wrow_stride != wbytes or wstride != 1:
+        raise ValueError("matrix rows are not contiguous")
+    if r0 < 0 or r1 > wrows or r1 > nout or ostride != 4:
+        raise ValueError("row range outside the matrix or the output")
     return nblk
 
 
@@ -549,3 +583,53 @@ def dot_q8_q8_0_multi(w, xq, xd, xs, toks):
         raise ValueError("int8 activation rows are not contiguous")
     nblk = _nblk_q8_multi(w.size, xq.shape[1], xd.shape[1], xs.shape[1], ntok, toks, 34)
     return _ir_dot_q8_multi(w, xq, xd, xs, toks, nblk, Q8_0)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q4_0_rows(w, r0, r1, xq, xd, xs, out):
+    nblk = _nblk_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.size, xd.size, xs.size, r0, r1,
+                      out.shape[0], out.strides[0], 18)
+    if xq.strides[0] != 1 or xd.strides[0] != 4 or xs.strides[0] != 4:
+        raise ValueError("int8 activation row is not contiguous")
+    if r1 > r0:
+        _ir_dot_q8_rows(w, r0, r1 - r0, xq, xd, xs, out, nblk, Q4_0)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q4_1_rows(w, r0, r1, xq, xd, xs, out):
+    nblk = _nblk_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.size, xd.size, xs.size, r0, r1,
+                      out.shape[0], out.strides[0], 20)
+    if xq.strides[0] != 1 or xd.strides[0] != 4 or xs.strides[0] != 4:
+        raise ValueError("int8 activation row is not contiguous")
+    if r1 > r0:
+        _ir_dot_q8_rows(w, r0, r1 - r0, xq, xd, xs, out, nblk, Q4_1)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q5_0_rows(w, r0, r1, xq, xd, xs, out):
+    nblk = _nblk_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.size, xd.size, xs.size, r0, r1,
+                      out.shape[0], out.strides[0], 22)
+    if xq.strides[0] != 1 or xd.strides[0] != 4 or xs.strides[0] != 4:
+        raise ValueError("int8 activation row is not contiguous")
+    if r1 > r0:
+        _ir_dot_q8_rows(w, r0, r1 - r0, xq, xd, xs, out, nblk, Q5_0)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q5_1_rows(w, r0, r1, xq, xd, xs, out):
+    nblk = _nblk_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.size, xd.size, xs.size, r0, r1,
+                      out.shape[0], out.strides[0], 24)
+    if xq.strides[0] != 1 or xd.strides[0] != 4 or xs.strides[0] != 4:
+        raise ValueError("int8 activation row is not contiguous")
+    if r1 > r0:
+        _ir_dot_q8_rows(w, r0, r1 - r0, xq, xd, xs, out, nblk, Q5_1)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q8_0_rows(w, r0, r1, xq, xd, xs, out):
+    nblk = _nblk_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.size, xd.size, xs.size, r0, r1,
+                      out.shape[0], out.strides[0], 34)
+    if xq.strides[0] != 1 or xd.strides[0] != 4 or xs.strides[0] != 4:
+        raise ValueError("int8 activation row is not contiguous")
+    if r1 > r0:
+        _ir_dot_q8_rows(w, r0, r1 - r0, xq, xd, xs, out, nblk, Q8_0)
