@@ -7,11 +7,11 @@ bytes -> eight <32 x i8> vectors of u, o, the 16 per-group scales and mins) and 
 the row loops around it:
   dequant   w = s * q - m, stored (the same float32 operations in the same order as gguf-py: bit-exact)
   dot_f32   the same w in registers, fma into float32 accumulators (the accuracy reference)
-  dot_q8    integer dots of u with the int8 activations per group of 16: vpdpbusd (u8 x s8, AVX512-VNNI) where
-            numba targets a CPU that has it, else sign-extended even/odd pair sums (LLVM's vpmaddwd pattern);
-            the offset as o * sum(xq) from the same instruction, so the integer sums are exact. Each group's
-            sum is scaled by s * xd in float32; the min term is one vector fma per super-block against the exact
-            float sums of x per 16 (actq xs), so it adds no int8 rounding.
+  dot_q8    integer dots of u with the int8 activations, four products per i32 lane: vpdpbusd (AVX512-VNNI),
+            vpmaddubsw + vpmaddwd (AVX2), or sign-extended even/odd pair sums (LLVM's vpmaddwd pattern)
+            elsewhere, chosen for the CPU numba targets. Each group's sum is scaled by s * xd in float32; the
+            min and the offset (s * o) are one vector fma per super-block against the exact float sums of x
+            per 16 (actq xs), so they add no int8 rounding.
 All loops take 64 or 32 elements per step with four independent accumulators and prefetch the weights
 PREFETCH_BYTES ahead (rows of a matrix are contiguous, so this runs on into the next row).
 Layouts: llama.cpp ggml-common.h (block_q*_K) and gguf-py gguf/quants.py (dequantize_blocks).
@@ -19,13 +19,12 @@ Layouts: llama.cpp ggml-common.h (block_q*_K) and gguf-py gguf/quants.py (dequan
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from strata_nb.cpu_kernels.ir import array_ptr
+from strata_nb.cpu_kernels.ir import array_ptr, host_features
 from strata_nb.errors import StrataError
 
 QK = 256
@@ -73,27 +72,31 @@ class _Block:
         return self.b.fpext(self.b.bitcast(self.b.load(p, align=1), ir.HalfType()), _F32)
 
 
+# ---- per-type unpack: block -> (eight <32 x i8> unsigned quants u, offset o with q = u - o, the float d,
+#                                <16 x i16> integer scale per group of 16, <16 x float> min per 16 or None);
+#                                the weight scale per 16 is d * scale
+
+def _i16(b: ir.IRBuilder, v: ir.Value, signed: bool) -> ir.Value:
+    t = _vt(_I16, v.type.count)
+    return b.sext(v, t) if signed else b.zext(v, t)
+
+
 def _pair16(b: ir.IRBuilder, v8: ir.Value) -> ir.Value:
-    """<8 x float> per group of 32 -> <16 x float> per group of 16."""
+    """<8 x T> per group of 32 -> <16 x T> per group of 16."""
     return _shuf(b, v8, [i // 2 for i in range(16)])
 
-
-# ---- per-type unpack: block -> (eight <32 x i8> unsigned quants u, offset o with q = u - o,
-#                                <16 x float> scale per 16, <16 x float> min per 16 or None)
 
 def _unpack_q2_k(k: _Block):
     # scales[16] (low nibble scale, high nibble min) | qs[64] | d | dmin; element h*128+j*32+l = qs[h*32+l]>>2j &3
     b = k.b
     sc = k.vec(0, 16)
-    d, dmin = k.f16(80), k.f16(82)
-    ws = b.fmul(_splat(b, d, 16), b.uitofp(b.and_(sc, _cv(_I8, [15] * 16)), _vt(_F32, 16)))
-    ms = b.fmul(_splat(b, dmin, 16), b.uitofp(b.lshr(sc, _cv(_I8, [4] * 16)), _vt(_F32, 16)))
+    ms = b.fmul(_splat(b, k.f16(82), 16), b.uitofp(b.lshr(sc, _cv(_I8, [4] * 16)), _vt(_F32, 16)))
     q = []
     for h in range(2):
         qs = k.vec(16 + 32 * h, 32)
         for j in range(4):
             q.append(b.and_(b.lshr(qs, _cv(_I8, [2 * j] * 32)), _cv(_I8, [3] * 32)))
-    return q, 0, ws, ms
+    return q, 0, k.f16(80), _i16(b, b.and_(sc, _cv(_I8, [15] * 16)), False), ms
 
 
 def _unpack_q3_k(k: _Block):
@@ -106,7 +109,6 @@ def _unpack_q3_k(k: _Block):
     hi = b.and_(b.lshr(_shuf(b, s, [10 + i % 4 for i in range(16)]), _cv(_I8, [2 * (i // 4) for i in range(16)])),
                 _cv(_I8, [3] * 16))
     sc = b.sub(b.or_(lo, b.shl(hi, _cv(_I8, [4] * 16))), _cv(_I8, [32] * 16))
-    ws = b.fmul(_splat(b, k.f16(108), 16), b.sitofp(sc, _vt(_F32, 16)))
     q = []
     for h in range(2):
         qs = k.vec(32 + 32 * h, 32)
@@ -116,11 +118,12 @@ def _unpack_q3_k(k: _Block):
             qh = b.and_(b.lshr(hm, _cv(_I8, [c - 2] * 32)) if c >= 2 else b.shl(hm, _cv(_I8, [2 - c] * 32)),
                         _cv(_I8, [4] * 32))
             q.append(b.or_(ql, qh))
-    return q, 4, ws, None
+    return q, 4, k.f16(108), _i16(b, sc, True), None
 
 
 def _scales_k4(k: _Block):
-    """Q4_K/Q5_K: d, dmin and the eight 6-bit (scale, min) pairs packed in bytes 4..15 -> per-16 floats."""
+    """Q4_K/Q5_K: the eight 6-bit (scale, min) pairs packed in bytes 4..15 -> per-16 integer scales and float
+    mins (dmin * min)."""
     b = k.b
     s = k.vec(0, 16)  # d, dmin, then scales at s[4..15]
     m6 = _cv(_I8, [63] * 4 + [15] * 4)
@@ -130,27 +133,26 @@ def _scales_k4(k: _Block):
                b.and_(b.lshr(_shuf(b, s, [4, 5, 6, 7, 4, 5, 6, 7]), two), top))
     mn = b.or_(b.and_(b.lshr(_shuf(b, s, [8, 9, 10, 11, 12, 13, 14, 15]), _cv(_I8, [0] * 4 + [4] * 4)), m6),
                b.and_(b.lshr(_shuf(b, s, [8, 9, 10, 11, 8, 9, 10, 11]), two), top))
-    ws = b.fmul(_splat(b, k.f16(0), 8), b.uitofp(sc, _vt(_F32, 8)))
     ms = b.fmul(_splat(b, k.f16(2), 8), b.uitofp(mn, _vt(_F32, 8)))
-    return _pair16(b, ws), _pair16(b, ms)
+    return _pair16(b, _i16(b, sc, False)), _pair16(b, ms)
 
 
 def _unpack_q4_k(k: _Block):
     # d | dmin | scales[12] | qs[128]; chunk 2c = qs[32c:32c+32] & 15, chunk 2c+1 = the high nibbles
     b = k.b
-    ws, ms = _scales_k4(k)
+    isc, ms = _scales_k4(k)
     q = []
     for c in range(4):
         qs = k.vec(16 + 32 * c, 32)
         q.append(b.and_(qs, _cv(_I8, [15] * 32)))
         q.append(b.lshr(qs, _cv(_I8, [4] * 32)))
-    return q, 0, ws, ms
+    return q, 0, k.f16(0), isc, ms
 
 
 def _unpack_q5_k(k: _Block):
     # d | dmin | scales[12] | qh[32] | qs[128]; chunk j takes bit j of qh as its fifth bit
     b = k.b
-    ws, ms = _scales_k4(k)
+    isc, ms = _scales_k4(k)
     qh = k.vec(16, 32)
     q = []
     for c in range(4):
@@ -158,13 +160,12 @@ def _unpack_q5_k(k: _Block):
         for j, lo in ((2 * c, b.and_(qs, _cv(_I8, [15] * 32))), (2 * c + 1, b.lshr(qs, _cv(_I8, [4] * 32)))):
             hb = b.lshr(qh, _cv(_I8, [j - 4] * 32)) if j >= 4 else b.shl(qh, _cv(_I8, [4 - j] * 32))
             q.append(b.or_(lo, b.and_(hb, _cv(_I8, [16] * 32))))
-    return q, 0, ws, ms
+    return q, 0, k.f16(0), isc, ms
 
 
 def _unpack_q6_k(k: _Block):
     # ql[128] | qh[64] | scales[16] int8 | d; q = (4 low bits | 2 high bits << 4) - 32
     b = k.b
-    ws = b.fmul(_splat(b, k.f16(208), 16), b.sitofp(k.vec(192, 16), _vt(_F32, 16)))
     q = []
     for h in range(2):
         l0, l1 = k.vec(64 * h, 32), k.vec(64 * h + 32, 32)
@@ -174,7 +175,7 @@ def _unpack_q6_k(k: _Block):
         for j in range(4):
             hi = b.shl(qh, _cv(_I8, [4 - 2 * j] * 32)) if j < 2 else b.lshr(qh, _cv(_I8, [2 * j - 4] * 32))
             q.append(b.or_(lows[j], b.and_(hi, _cv(_I8, [48] * 32))))
-    return q, 32, ws, None
+    return q, 32, k.f16(208), _i16(b, k.vec(192, 16), True), None
 
 
 # ---- shared loop builders
@@ -214,38 +215,27 @@ def _pairsum(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
     return b.add(_shuf(b, v, list(range(0, n, 2))), _shuf(b, v, list(range(1, n, 2))))
 
 
-def _dot64_generic(b: ir.IRBuilder, u: ir.Value, off: int, x: ir.Value) -> ir.Value:
-    """<64 x i8> quants (minus off) . <64 x i8> activations -> <16 x i32>, lane i = sum of elements 4i..4i+3.
-    Products as even/odd pair sums of sign-extended lanes, which LLVM turns into vpmaddwd where it can."""
-    q = b.sext(b.sub(u, _cv(_I8, [off] * 64)) if off else u, _vt(_I32, 64))
-    return _pairsum(b, _pairsum(b, b.mul(q, b.sext(x, _vt(_I32, 64)))))
+def _chunk_dot_generic(b: ir.IRBuilder, u: ir.Value, x: ir.Value, sc: ir.Value) -> ir.Value:
+    """<32 x i8> unsigned quants (< 64) . <32 x i8> activations with <16 x i16> integer scales (lanes 0-7 the
+    scale of elements 0-15, lanes 8-15 that of elements 16-31) -> <8 x i32>, lane i = scale * the sum of the
+    products of elements 4i..4i+3. Portable IR; exactly the integers of _chunk_dot_avx2."""
+    v32, v16 = _vt(_I32, 32), _vt(_I32, 16)
+    pairs = _pairsum(b, b.mul(b.sext(u, v32), b.sext(x, v32)))
+    return _pairsum(b, b.mul(pairs, b.sext(sc, v16)))
 
 
-def _dot64_vnni(b: ir.IRBuilder, u: ir.Value, off: int, x: ir.Value) -> ir.Value:
-    """The same with AVX512-VNNI vpdpbusd (unsigned quants x signed activations, 4 products per i32 lane);
-    the offset comes off as off * sum(x) from a second vpdpbusd, so integer sums stay exact."""
-    v16 = _vt(_I32, 16)
-    fn = _fn(b, "llvm.x86.avx512.vpdpbusd.512", v16, [v16] * 3)
-    zero = ir.Constant(v16, [0] * 16)
-    xi = b.bitcast(x, v16)
-    r = b.call(fn, [zero, b.bitcast(u, v16), xi])
-    if off:
-        r = b.sub(r, b.call(fn, [zero, ir.Constant(v16, [off * 0x01010101] * 16), xi]))
-    return r
+def _chunk_dot_avx2(b: ir.IRBuilder, u: ir.Value, x: ir.Value, sc: ir.Value) -> ir.Value:
+    """The same as vpmaddubsw (u8 x s8 pairs to i16: |sum| <= 2 * 63 * 127, no saturation) and vpmaddwd against
+    the scales (llama.cpp's AVX2 K-quant dot): two instructions for 32 products, scale included."""
+    v32, v16w, v8 = _vt(_I8, 32), _vt(_I16, 16), _vt(_I32, 8)
+    ubsw = _fn(b, "llvm.x86.avx2.pmadd.ub.sw", v16w, [v32, v32])
+    wd = _fn(b, "llvm.x86.avx2.pmadd.wd", v8, [v16w, v16w])
+    return b.call(wd, [b.call(ubsw, [u, x]), sc])
 
 
-def _host_has_vnni512() -> bool:
-    """Whether numba compiles for a CPU with AVX512-VNNI (host CPU unless NUMBA_CPU_NAME/FEATURES say else)."""
-    from numba.core import config
-
-    if config.CPU_FEATURES is not None:
-        feats = config.CPU_FEATURES
-    elif config.CPU_NAME not in (None, "host"):
-        return False  # a named (portable) target: stay generic
-    else:
-        feats = llvm_binding.get_host_cpu_features().flatten()
-    have = {f[1:] for f in feats.split(",") if f.startswith("+")}
-    return {"avx512f", "avx512bw", "avx512vnni"} <= have
+def _best_chunk_dot():
+    """The integer dot for the CPU numba compiles for (AVX-512 machines have AVX2 too)."""
+    return _chunk_dot_avx2 if "avx2" in host_features() else _chunk_dot_generic
 
 
 def _prefetch(b: ir.IRBuilder, blk: ir.Value, bs: int) -> None:
@@ -272,11 +262,14 @@ def _row_ptrs(context, builder, arrty, arr, elem: ir.Type, rows: list) -> list:
     return [builder.bitcast(builder.gep(base, [builder.mul(r, stride)]), elem.as_pointer()) for r in rows]
 
 
-def _make_kernels(name: str, bs: int, unpack, vnni: bool):
-    """Build the four row intrinsics of one type: dequant(w, out, nb), dot_f32(w, x, nb), dot_q8(w, xq, xd,
-    xs, nb) and dot_q8_multi(w, xq, xd, xs, toks, nb) on 2-D activations. nb is the number of super-blocks;
-    callers check the array sizes and token indices."""
-    dot64 = _dot64_vnni if vnni else _dot64_generic
+def _make_kernels(name: str, bs: int, unpack, chunk_dot):
+    """Build the row intrinsics of one type: dequant(w, out, nb), dot_f32(w, x, nb), dot_q8(w, xq, xd, xs, nb),
+    dot_q8_multi(w, xq, xd, xs, toks, nb) on 2-D activations and dot_q8_rows(w, r0, n, xq, xd, xs, out, nb) on
+    rows r0..r0+n-1 of a 2-D matrix; the int8 dots by chunk_dot (one of the _chunk_dot_* builders). nb is the
+    number of super-blocks in a row; callers check the array sizes, rows and token indices."""
+
+    def scales(b, d, isc):
+        return b.fmul(_splat(b, d, 16), b.sitofp(isc, _vt(_F32, 16)))  # d * scale, as gguf-py computes it
 
     def dequant(typingctx, w, out, nb):
         def codegen(context, builder, sig, args):
@@ -285,7 +278,8 @@ def _make_kernels(name: str, bs: int, unpack, vnni: bool):
             op = array_ptr(context, b, sig.args[1], args[1], _F32)
             with cgutils.for_range(b, args[2]) as loop:
                 i = loop.index
-                q, off, ws, ms = unpack(_Block(b, b.gep(wp, [b.mul(i, ir.Constant(_I64, bs))])))
+                q, off, d, isc, ms = unpack(_Block(b, b.gep(wp, [b.mul(i, ir.Constant(_I64, bs))])))
+                ws = scales(b, d, isc)
                 for c in range(8):
                     p = b.gep(op, [b.add(b.mul(i, ir.Constant(_I64, QK)), ir.Constant(_I64, 32 * c))])
                     b.store(_weights(b, q[c], off, ws, ms, c), b.bitcast(p, _vt(_F32, 32).as_pointer()), align=4)
@@ -303,7 +297,8 @@ def _make_kernels(name: str, bs: int, unpack, vnni: bool):
                 i = loop.index
                 blk = b.gep(wp, [b.mul(i, ir.Constant(_I64, bs))])
                 _prefetch(b, blk, bs)
-                q, off, ws, ms = unpack(_Block(b, blk))
+                q, off, d, isc, ms = unpack(_Block(b, blk))
+                ws = scales(b, d, isc)
                 for c in range(8):
                     p = b.gep(xp, [b.add(b.mul(i, ir.Constant(_I64, QK)), ir.Constant(_I64, 32 * c))])
                     xv = b.load(b.bitcast(p, _vt(_F32, 32).as_pointer()), align=4)
@@ -314,47 +309,52 @@ def _make_kernels(name: str, bs: int, unpack, vnni: bool):
 
         return types.float32(w, x, nb), codegen
 
-    def q8_rows(b: ir.IRBuilder, wp: ir.Value, nb: ir.Value, toks: list) -> list:
+    def q8_row(b: ir.IRBuilder, wp: ir.Value, nb: ir.Value, toks: list) -> list:
         """dot_q8 of one row against each token of toks, a list of (xq i8*, xd f32*, xs f32*) pointers.
+        Per super-block: the integer dots of all eight chunks with the integer scales summed exactly in i32
+        (|sum| < 2^26), one float fma with d * xd; the min and offset terms one fma on the float sums of x.
         The row is unpacked once per super-block; each token keeps its own accumulators and the same float
         operations in the same order as a single-token call, so every result is bit-identical to it."""
-        accs = [_zeros(b, 16, 5) for _ in toks]  # per token: four for the products, one for the min terms
+        accs = [_zeros(b, 8, 1) + _zeros(b, 16, 1) for _ in toks]  # per token: scaled sums, min terms
         with cgutils.for_range(b, nb) as loop:
             i = loop.index
             blk = b.gep(wp, [b.mul(i, ir.Constant(_I64, bs))])
             _prefetch(b, blk, bs)
-            q, off, ws, ms = unpack(_Block(b, blk))
-            f16, xq0 = [], []
-            for qp, dp, _ in toks:
-                xd8 = b.load(b.bitcast(b.gep(dp, [b.mul(i, ir.Constant(_I64, 8))]), _vt(_F32, 8).as_pointer()),
-                             align=4)
-                f16.append(b.fmul(ws, _pair16(b, xd8)))  # weight scale x activation scale, per group of 16
-                xq0.append(b.gep(qp, [b.mul(i, ir.Constant(_I64, QK))]))
-            for p in range(4):  # 64 elements (two chunks, four groups of 16) per step
-                u = b.shuffle_vector(q[2 * p], q[2 * p + 1], _cv(_I32, list(range(64))))
-                for k in range(len(toks)):
-                    xv = b.load(b.bitcast(b.gep(xq0[k], [ir.Constant(_I64, 64 * p)]), _vt(_I8, 64).as_pointer()),
+            q, off, d, isc, ms = unpack(_Block(b, blk))
+            if off:  # d * s * (u - o) - m: the o * d * s part joins the min term, on the exact float sums of x
+                mo = b.fmul(scales(b, d, isc), ir.Constant(_vt(_F32, 16), [float(off)] * 16))
+                ms = mo if ms is None else b.fadd(mo, ms)
+            scv = [_shuf(b, isc, [2 * c] * 8 + [2 * c + 1] * 8) for c in range(8)]
+            for k, (qp, dp, sp) in enumerate(toks):
+                xq0 = b.gep(qp, [b.mul(i, ir.Constant(_I64, QK))])
+                isum = None
+                for c in range(8):
+                    xv = b.load(b.bitcast(b.gep(xq0, [ir.Constant(_I64, 32 * c)]), _vt(_I8, 32).as_pointer()),
                                 align=1)
-                    isum = b.sitofp(dot64(b, u, off, xv), _vt(_F32, 16))
-                    scale = _shuf(b, f16[k], [4 * p + lane // 4 for lane in range(16)])
-                    b.store(_fma(b, isum, scale, b.load(accs[k][p])), accs[k][p])
-            if ms is not None:
-                for k, (_, _, sp) in enumerate(toks):
+                    r = chunk_dot(b, q[c], xv, scv[c])
+                    isum = r if isum is None else b.add(isum, r)
+                f = b.fmul(d, b.load(b.gep(dp, [i]), align=4))
+                b.store(_fma(b, b.sitofp(isum, _vt(_F32, 8)), _splat(b, f, 8), b.load(accs[k][0])), accs[k][0])
+                if ms is not None:
                     xs16 = b.load(b.bitcast(b.gep(sp, [b.mul(i, ir.Constant(_I64, 16))]),
                                             _vt(_F32, 16).as_pointer()), align=4)
-                    b.store(_fma(b, ms, xs16, b.load(accs[k][4])), accs[k][4])
+                    b.store(_fma(b, ms, xs16, b.load(accs[k][1])), accs[k][1])
         res = []
-        for acc in accs:
-            v = [b.load(a) for a in acc]
-            res.append(_hsum(b, b.fsub(b.fadd(b.fadd(v[0], v[1]), b.fadd(v[2], v[3])), v[4])))
+        for acc, macc in accs:
+            m = b.load(macc)
+            m8 = b.fadd(_shuf(b, m, list(range(8))), _shuf(b, m, list(range(8, 16))))
+            res.append(_hsum(b, b.fsub(b.load(acc), m8)))
         return res
+
+    def tok_ptrs(context, b, sig, args, first: int) -> tuple:
+        return tuple(array_ptr(context, b, sig.args[first + j], args[first + j], e)
+                     for j, e in enumerate((_I8, _F32, _F32)))
 
     def dot_q8(typingctx, w, xq, xd, xs, nb):
         def codegen(context, builder, sig, args):
             b = builder
             wp = array_ptr(context, b, sig.args[0], args[0], _I8)
-            tok = tuple(array_ptr(context, b, sig.args[j], args[j], e) for j, e in ((1, _I8), (2, _F32), (3, _F32)))
-            return q8_rows(b, wp, args[4], [tok])[0]
+            return q8_row(b, wp, args[4], [tok_ptrs(context, b, sig, args, 1)])[0]
 
         return types.float32(w, xq, xd, xs, nb), codegen
 
@@ -365,16 +365,33 @@ def _make_kernels(name: str, bs: int, unpack, vnni: bool):
             wp = array_ptr(context, b, sig.args[0], args[0], _I8)
             ts = [context.cast(b, b.extract_value(args[4], k), ty, types.intp) for k, ty in enumerate(sig.args[4])]
             rows = [_row_ptrs(context, b, sig.args[j], args[j], e, ts) for j, e in ((1, _I8), (2, _F32), (3, _F32))]
-            res = q8_rows(b, wp, args[5], list(zip(*rows)))
+            res = q8_row(b, wp, args[5], list(zip(*rows)))
             return context.make_tuple(b, sig.return_type, res)
 
         if not isinstance(toks, types.BaseTuple) or not all(isinstance(t, types.Integer) for t in toks):
             raise TypeError("token indices must be a tuple of integers")
         return types.UniTuple(types.float32, len(toks))(w, xq, xd, xs, toks, nb), codegen
 
+    def dot_q8_rows(typingctx, w, r0, n, xq, xd, xs, out, nb):
+        """out[r0 + j] = dot_q8 of row r0 + j of the 2-D w (rows of nb blocks, contiguous) for j < n: one call
+        for a task's rows, so the per-row call, checks and constants are paid once."""
+        def codegen(context, builder, sig, args):
+            b = builder
+            rb = b.mul(args[7], ir.Constant(_I64, bs))
+            r0 = context.cast(b, args[1], sig.args[1], types.intp)
+            w0 = b.gep(array_ptr(context, b, sig.args[0], args[0], _I8), [b.mul(r0, rb)])
+            op = b.gep(array_ptr(context, b, sig.args[6], args[6], _F32), [r0])
+            tok = tok_ptrs(context, b, sig, args, 3)
+            with cgutils.for_range(b, context.cast(b, args[2], sig.args[2], types.intp)) as loop:
+                j = loop.index
+                b.store(q8_row(b, b.gep(w0, [b.mul(j, rb)]), args[7], [tok])[0], b.gep(op, [j]))
+            return context.get_dummy_value()
+
+        return types.void(w, r0, n, xq, xd, xs, out, nb), codegen
+
     out = []
-    for f in (dequant, dot_f32, dot_q8, dot_q8_multi):
-        f.__name__ = f.__qualname__ = f"_ir_{f.__name__}_{name}{'_vnni' if vnni else ''}"
+    for f in (dequant, dot_f32, dot_q8, dot_q8_multi, dot_q8_rows):
+        f.__name__ = f.__qualname__ = f"_ir_{f.__name__}_{name}_{chunk_dot.__name__[11:]}"
         out.append(intrinsic(f))
     return out
 
@@ -396,8 +413,10 @@ def _nblocks(wlen, wstride, bs, n, nstride, itemsize):
 
 @njit(cache=True, nogil=True, inline="always")
 def _check_scales(nb, xdlen, xdstride, xslen, xsstride):
-    if xdlen < nb * 8 or xslen < nb * 16 or xdstride != 4 or xsstride != 4:
-        raise StrataError("K-quant row: activation scales/sums are short or not contiguous")
+    """The activations' per-256 scales and per-16 sums: exact lengths, so per-32 (legacy-layout) activations
+    are refused, not misread."""
+    if xdlen != nb or xslen != nb * 16 or xdstride != 4 or xsstride != 4:
+        raise StrataError("K-quant row: activation scales are not per 256 (actq group 256) or not contiguous")
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -407,19 +426,30 @@ def _check_tokens(toks, ntok):
             raise StrataError("K-quant row: token index out of range of the activation rows")
 
 
-# ---- public kernels: w uint8[row bytes] one row in GGUF layout; x/out float32[K]; xq int8[K], xd float32[K/32],
-# xs float32[K/16] (actq layout). The _multi kernels take 2-D activations xq int8[T, K], xd float32[T, K/32],
-# xs float32[T, K/16] and a tuple of n token indices, and return the n dots of the row against those tokens
-# (bit-identical to n single-token calls), unpacking the row once. Raise StrataError on mismatched or
-# non-contiguous arrays or out-of-range tokens.
+@njit(cache=True, nogil=True, inline="always")
+def _check_rows(wrows, wrow_stride, wbytes, bs, r0, r1, nout, ostride):
+    """Super-blocks per row of a 2-D matrix whose rows r0:r1 a dot_q8_rows call reads (into out[r0:r1])."""
+    nb = wbytes // bs
+    if wbytes != nb * bs or wrow_stride != wbytes:
+        raise StrataError("K-quant rows: not whole contiguous blocks")
+    if r0 < 0 or r1 > wrows or r1 > nout or ostride != 4:
+        raise StrataError("K-quant rows: row range outside the matrix or the output")
+    return nb
 
-VNNI = _host_has_vnni512()
 
-_deq_q2_k, _f32_q2_k, _q8_q2_k, _q8m_q2_k = _make_kernels("q2_k", 84, _unpack_q2_k, VNNI)
-_deq_q3_k, _f32_q3_k, _q8_q3_k, _q8m_q3_k = _make_kernels("q3_k", 110, _unpack_q3_k, VNNI)
-_deq_q4_k, _f32_q4_k, _q8_q4_k, _q8m_q4_k = _make_kernels("q4_k", 144, _unpack_q4_k, VNNI)
-_deq_q5_k, _f32_q5_k, _q8_q5_k, _q8m_q5_k = _make_kernels("q5_k", 176, _unpack_q5_k, VNNI)
-_deq_q6_k, _f32_q6_k, _q8_q6_k, _q8m_q6_k = _make_kernels("q6_k", 210, _unpack_q6_k, VNNI)
+# ---- public kernels: w uint8[row bytes] one row in GGUF layout; x/out float32[K]; xq int8[K], xd float32[K/256],
+# xs float32[K/16] (actq layout, group 256). The _multi kernels take 2-D activations xq int8[T, K],
+# xd float32[T, K/256], xs float32[T, K/16] and a tuple of n token indices, and return the n dots of the row
+# against those tokens (bit-identical to n single-token calls), unpacking the row once. The _rows kernels take a
+# 2-D matrix w uint8[rows, row bytes] and write out[r] = dot_q8(w[r]) for r in r0:r1 (bit-identical too). All
+# raise StrataError on mismatched or non-contiguous arrays or out-of-range tokens and rows.
+
+CHUNK_DOT = _best_chunk_dot()
+_deq_q2_k, _f32_q2_k, _q8_q2_k, _q8m_q2_k, _q8r_q2_k = _make_kernels("q2_k", 84, _unpack_q2_k, CHUNK_DOT)
+_deq_q3_k, _f32_q3_k, _q8_q3_k, _q8m_q3_k, _q8r_q3_k = _make_kernels("q3_k", 110, _unpack_q3_k, CHUNK_DOT)
+_deq_q4_k, _f32_q4_k, _q8_q4_k, _q8m_q4_k, _q8r_q4_k = _make_kernels("q4_k", 144, _unpack_q4_k, CHUNK_DOT)
+_deq_q5_k, _f32_q5_k, _q8_q5_k, _q8m_q5_k, _q8r_q5_k = _make_kernels("q5_k", 176, _unpack_q5_k, CHUNK_DOT)
+_deq_q6_k, _f32_q6_k, _q8_q6_k, _q8m_q6_k, _q8r_q6_k = _make_kernels("q6_k", 210, _unpack_q6_k, CHUNK_DOT)
 
 
 @njit(cache=True, nogil=True)
@@ -448,6 +478,16 @@ def dot_q8_q2_k_multi(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndar
 
 
 @njit(cache=True, nogil=True)
+def dot_q8_q2_k_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
+                    out: np.ndarray) -> None:
+    nb = _check_rows(w.shape[0], w.strides[0], w.shape[1], 84, r0, r1, out.shape[0], out.strides[0])
+    _nblocks(w.shape[1], w.strides[1], 84, xq.shape[0], xq.strides[0], 1)
+    _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
+    if r1 > r0:
+        _q8r_q2_k(w, r0, r1 - r0, xq, xd, xs, out, nb)
+
+
+@njit(cache=True, nogil=True)
 def dequant_q3_k(w: np.ndarray, out: np.ndarray) -> None:
     _deq_q3_k(w, out, _nblocks(w.shape[0], w.strides[0], 110, out.shape[0], out.strides[0], 4))
 
@@ -470,6 +510,16 @@ def dot_q8_q3_k_multi(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndar
     _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
     _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
     return _q8m_q3_k(w, xq, xd, xs, toks, nb)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q3_k_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
+                    out: np.ndarray) -> None:
+    nb = _check_rows(w.shape[0], w.strides[0], w.shape[1], 110, r0, r1, out.shape[0], out.strides[0])
+    _nblocks(w.shape[1], w.strides[1], 110, xq.shape[0], xq.strides[0], 1)
+    _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
+    if r1 > r0:
+        _q8r_q3_k(w, r0, r1 - r0, xq, xd, xs, out, nb)
 
 
 @njit(cache=True, nogil=True)
@@ -498,6 +548,16 @@ def dot_q8_q4_k_multi(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndar
 
 
 @njit(cache=True, nogil=True)
+def dot_q8_q4_k_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
+                    out: np.ndarray) -> None:
+    nb = _check_rows(w.shape[0], w.strides[0], w.shape[1], 144, r0, r1, out.shape[0], out.strides[0])
+    _nblocks(w.shape[1], w.strides[1], 144, xq.shape[0], xq.strides[0], 1)
+    _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
+    if r1 > r0:
+        _q8r_q4_k(w, r0, r1 - r0, xq, xd, xs, out, nb)
+
+
+@njit(cache=True, nogil=True)
 def dequant_q5_k(w: np.ndarray, out: np.ndarray) -> None:
     _deq_q5_k(w, out, _nblocks(w.shape[0], w.strides[0], 176, out.shape[0], out.strides[0], 4))
 
@@ -523,6 +583,16 @@ def dot_q8_q5_k_multi(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndar
 
 
 @njit(cache=True, nogil=True)
+def dot_q8_q5_k_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
+                    out: np.ndarray) -> None:
+    nb = _check_rows(w.shape[0], w.strides[0], w.shape[1], 176, r0, r1, out.shape[0], out.strides[0])
+    _nblocks(w.shape[1], w.strides[1], 176, xq.shape[0], xq.strides[0], 1)
+    _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
+    if r1 > r0:
+        _q8r_q5_k(w, r0, r1 - r0, xq, xd, xs, out, nb)
+
+
+@njit(cache=True, nogil=True)
 def dequant_q6_k(w: np.ndarray, out: np.ndarray) -> None:
     _deq_q6_k(w, out, _nblocks(w.shape[0], w.strides[0], 210, out.shape[0], out.strides[0], 4))
 
@@ -545,3 +615,13 @@ def dot_q8_q6_k_multi(w: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndar
     _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
     _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
     return _q8m_q6_k(w, xq, xd, xs, toks, nb)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q6_k_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
+                    out: np.ndarray) -> None:
+    nb = _check_rows(w.shape[0], w.strides[0], w.shape[1], 210, r0, r1, out.shape[0], out.strides[0])
+    _nblocks(w.shape[1], w.strides[1], 210, xq.shape[0], xq.strides[0], 1)
+    _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
+    if r1 > r0:
+        _q8r_q6_k(w, r0, r1 - r0, xq, xd, xs, out, nb)

@@ -10,20 +10,19 @@ Each block is decoded in registers to 32 small integers q = u - o (<32 x i8> u u
   dot_f32: sum of (d*q (+ m)) * x, float32 fma into 4 independent accumulators (the accuracy reference)
   dot_q8:  sum of d*xd[b] * (q . xq) (+ m * exact float sum of x), integer sums exact, converted to float once
            per block. With AVX512-VNNI two blocks per step: one vpdpbusd of u against 64 int8 activations, minus
-           o * sum(xq) from a second one. Otherwise one block per step, vpmaddwd on sign-extended lanes (AVX-512
-           or AVX2 intrinsic), or the generic even/odd i16 product pattern on other targets.
+           o * sum(xq) from a second one. Otherwise one block per step: vpmaddwd on sign-extended lanes (AVX-512),
+           vpsignb + vpmaddubsw + vpmaddwd (AVX2), or the generic even/odd i16 product pattern elsewhere.
 Rows stream from DRAM, so the loops prefetch PREFETCH_BYTES ahead of the block being read (rows of a matrix
 are contiguous, so this runs on into the next row).
 """
 from __future__ import annotations
 
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from strata_nb.cpu_kernels.ir import array_ptr
+from strata_nb.cpu_kernels.ir import array_ptr, host_features
 from strata_nb.cpu_kernels.qtypes import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
 PREFETCH_BYTES = 4096
@@ -168,38 +167,31 @@ def _dequant_vec(b: ir.IRBuilder, q: ir.Value, d: ir.Value, m: ir.Value | None) 
     return v if m is None else b.fadd(v, _splat(b, m, 32))
 
 
-def _host_features() -> set[str]:
-    """Features numba compiles for (the host CPU unless NUMBA_CPU_NAME/NUMBA_CPU_FEATURES say otherwise)."""
-    from numba.core import config
-
-    if config.CPU_FEATURES is not None:
-        feats = config.CPU_FEATURES
-    elif config.CPU_NAME not in (None, "host"):
-        return set()  # a named (portable) target: stay generic
-    else:
-        feats = llvm_binding.get_host_cpu_features().flatten()
-    return {f[1:] for f in feats.split(",") if f.startswith("+")}
-
-
-_FEATURES = _host_features()
+_FEATURES = host_features()
+# lanes of the integer block dot (_int_dot): AVX2 sums 4 products per i32 lane, the others 2
+_DOT_LANES = 8 if "avx2" in _FEATURES and not {"avx512f", "avx512bw"} <= _FEATURES else 16
 
 
 def _int_dot(b: ir.IRBuilder, q: ir.Value, xq: ir.Value) -> ir.Value:
-    """<16 x i32> sums of adjacent pairs of q*xq (vpmaddwd on sign-extended i16 lanes).
+    """<_DOT_LANES x i32> sums of adjacent products of the block's signed quants q and activations xq.
 
-    The x86 intrinsic where the target has it: from the generic even/odd pattern LLVM narrows the i8 x i8
-    products to i16 multiplies and shuffles (vpmullw + vpmovdw...), 2-3x slower than vpmaddwd."""
+    AVX-512: vpmaddwd on sign-extended i16 lanes. AVX2: vpmaddubsw on |q| and xq with q's sign (llama.cpp's
+    vpsignb trick: |q| <= 128 and |xq| <= 127, so the i16 pair sums cannot saturate), then vpmaddwd against
+    ones: half the instructions of the sign-extended form, which ran compute-bound. Elsewhere the generic
+    even/odd i16 product pattern: LLVM narrows it to i16 multiplies and shuffles (vpmullw + vpmovdw...), 2-3x
+    slower than the intrinsics."""
+    if _DOT_LANES == 8:
+        v32, v16w, v8 = _vec(_I8, 32), _vec(_I16, 16), _vec(_I32, 8)
+        sign = _intrinsic_fn(b, "llvm.x86.avx2.psign.b", v32, [v32, v32])
+        ubsw = _intrinsic_fn(b, "llvm.x86.avx2.pmadd.ub.sw", v16w, [v32, v32])
+        wd = _intrinsic_fn(b, "llvm.x86.avx2.pmadd.wd", v8, [v16w, v16w])
+        p = b.call(ubsw, [b.call(sign, [q, q]), b.call(sign, [xq, q])])
+        return b.call(wd, [p, ir.Constant(v16w, [1] * 16)])
     a = b.sext(q, _vec(_I16, 32))
     c = b.sext(xq, _vec(_I16, 32))
     if {"avx512f", "avx512bw"} <= _FEATURES:
         fn = _intrinsic_fn(b, "llvm.x86.avx512.pmaddw.d.512", _vec(_I32, 16), [_vec(_I16, 32)] * 2)
         return b.call(fn, [a, c])
-    if "avx2" in _FEATURES:
-        fn = _intrinsic_fn(b, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [_vec(_I16, 16)] * 2)
-        lo, hi = list(range(16)), list(range(16, 32))
-        r0 = b.call(fn, [_shuffle(b, a, None, lo), _shuffle(b, c, None, lo)])
-        r1 = b.call(fn, [_shuffle(b, a, None, hi), _shuffle(b, c, None, hi)])
-        return _shuffle(b, r0, r1, list(range(16)))
     even, odd = list(range(0, 32, 2)), list(range(1, 32, 2))
     v32 = _vec(_I32, 16)
     ae, ao = b.sext(_shuffle(b, a, None, even), v32), b.sext(_shuffle(b, a, None, odd), v32)
@@ -305,9 +297,9 @@ def _q8_rows(b: ir.IRBuilder, wp: ir.Value, nblk: ir.Value, decode, bb: int, tok
             new = []
             for k, (qp, dp, sp) in enumerate(toks):
                 xv = _load(b, qp, b.mul(i, _c(32)), _vec(_I8, 32))
-                isum = b.sitofp(_int_dot(b, q, xv), _vec(_F32, 16))
+                isum = b.sitofp(_int_dot(b, q, xv), _vec(_F32, _DOT_LANES))
                 scale = b.fmul(d, b.load(b.gep(dp, [i]), align=4))
-                new.append(_fma(b, isum, _splat(b, scale, 16), accs[k * nacc]))
+                new.append(_fma(b, isum, _splat(b, scale, _DOT_LANES), accs[k * nacc]))
                 if m is not None:
                     i2 = b.mul(i, _c(2))
                     sx = b.fadd(b.load(b.gep(sp, [i2]), align=4), b.load(b.gep(sp, [b.add(i2, _c(1))]), align=4))
@@ -339,7 +331,7 @@ def _q8_rows(b: ir.IRBuilder, wp: ir.Value, nblk: ir.Value, decode, bb: int, tok
 
     v16 = _vec(_F32, 16)
     nacc = 2 if has_min else 1
-    single_types = [v16] + ([_F32] if has_min else [])
+    single_types = [_vec(_F32, _DOT_LANES)] + ([_F32] if has_min else [])
     if vnni:
         npair = b.udiv(nblk, _c(2))
         accs = _row_loop(b, wp, npair, 2 * bb, ([v16] + ([_vec(_F32, 2)] if has_min else [])) * nt, pair)
@@ -404,6 +396,29 @@ def _ir_dot_q8_multi(typingctx, w, xq, xd, xs, toks, nblk, qt):
     return types.UniTuple(types.float32, len(toks))(w, xq, xd, xs, toks, types.int64, qt), codegen
 
 
+@intrinsic(prefer_literal=True)
+def _ir_dot_q8_rows(typingctx, w, r0, n, xq, xd, xs, out, nblk, qt):
+    """out[r0 + j] = dot_q8 of row r0 + j of the 2-D w (rows of nblk blocks, contiguous) for j < n: one call
+    for a task's rows, so the per-row call, checks and constants are paid once."""
+    decode, bb = _DECODERS[_qtype_of(qt)]
+
+    def codegen(context, builder, sig, args):
+        b = builder
+        nblk = b.sext(args[7], _I64)
+        rb = b.mul(nblk, _c(bb))
+        r0 = context.cast(b, args[1], sig.args[1], types.intp)
+        w0 = b.gep(array_ptr(context, b, sig.args[0], args[0]), [b.mul(r0, rb)])
+        op = b.gep(array_ptr(context, b, sig.args[6], args[6], _F32), [r0])
+        tok = (array_ptr(context, b, sig.args[3], args[3]), array_ptr(context, b, sig.args[4], args[4], _F32),
+               array_ptr(context, b, sig.args[5], args[5], _F32))
+        with cgutils.for_range(b, context.cast(b, args[2], sig.args[2], types.intp)) as loop:
+            j = loop.index
+            b.store(_q8_rows(b, b.gep(w0, [b.mul(j, rb)]), nblk, decode, bb, [tok])[0], b.gep(op, [j]))
+        return context.get_dummy_value()
+
+    return types.void(w, r0, n, xq, xd, xs, out, types.int64, qt), codegen
+
+
 # ---- shape checks: one compare per row (an IR loop past the end would read foreign memory). They take
 # lengths, not arrays: an array argument costs an NRT incref/decref pair per call, atomics that threads
 # sharing one activation row would contend on.
@@ -431,6 +446,17 @@ def _nblk_q8_multi(nw, nxq, nxd, nxs, ntok, toks, bb):
     for t in toks:
         if t < 0 or t >= ntok:
             raise ValueError("token index out of range of the activation rows")
+    return nblk
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _nblk_rows(wrows, wrow_stride, wbytes, wstride, nxq, nxd, nxs, r0, r1, nout, ostride, bb):
+    """Blocks per row of a 2-D matrix whose rows r0:r1 a dot_q8_rows call reads (into out[r0:r1])."""
+    nblk = _nblk_q8(wbytes, nxq, nxd, nxs, bb)
+    if wrow_stride != wbytes or wstride != 1:
+        raise ValueError("matrix rows are not contiguous")
+    if r0 < 0 or r1 > wrows or r1 > nout or ostride != 4:
+        raise ValueError("row range outside the matrix or the output")
     return nblk
 
 
@@ -557,3 +583,53 @@ def dot_q8_q8_0_multi(w, xq, xd, xs, toks):
         raise ValueError("int8 activation rows are not contiguous")
     nblk = _nblk_q8_multi(w.size, xq.shape[1], xd.shape[1], xs.shape[1], ntok, toks, 34)
     return _ir_dot_q8_multi(w, xq, xd, xs, toks, nblk, Q8_0)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q4_0_rows(w, r0, r1, xq, xd, xs, out):
+    nblk = _nblk_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.size, xd.size, xs.size, r0, r1,
+                      out.shape[0], out.strides[0], 18)
+    if xq.strides[0] != 1 or xd.strides[0] != 4 or xs.strides[0] != 4:
+        raise ValueError("int8 activation row is not contiguous")
+    if r1 > r0:
+        _ir_dot_q8_rows(w, r0, r1 - r0, xq, xd, xs, out, nblk, Q4_0)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q4_1_rows(w, r0, r1, xq, xd, xs, out):
+    nblk = _nblk_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.size, xd.size, xs.size, r0, r1,
+                      out.shape[0], out.strides[0], 20)
+    if xq.strides[0] != 1 or xd.strides[0] != 4 or xs.strides[0] != 4:
+        raise ValueError("int8 activation row is not contiguous")
+    if r1 > r0:
+        _ir_dot_q8_rows(w, r0, r1 - r0, xq, xd, xs, out, nblk, Q4_1)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q5_0_rows(w, r0, r1, xq, xd, xs, out):
+    nblk = _nblk_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.size, xd.size, xs.size, r0, r1,
+                      out.shape[0], out.strides[0], 22)
+    if xq.strides[0] != 1 or xd.strides[0] != 4 or xs.strides[0] != 4:
+        raise ValueError("int8 activation row is not contiguous")
+    if r1 > r0:
+        _ir_dot_q8_rows(w, r0, r1 - r0, xq, xd, xs, out, nblk, Q5_0)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q5_1_rows(w, r0, r1, xq, xd, xs, out):
+    nblk = _nblk_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.size, xd.size, xs.size, r0, r1,
+                      out.shape[0], out.strides[0], 24)
+    if xq.strides[0] != 1 or xd.strides[0] != 4 or xs.strides[0] != 4:
+        raise ValueError("int8 activation row is not contiguous")
+    if r1 > r0:
+        _ir_dot_q8_rows(w, r0, r1 - r0, xq, xd, xs, out, nblk, Q5_1)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q8_0_rows(w, r0, r1, xq, xd, xs, out):
+    nblk = _nblk_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.size, xd.size, xs.size, r0, r1,
+                      out.shape[0], out.strides[0], 34)
+    if xq.strides[0] != 1 or xd.strides[0] != 4 or xs.strides[0] != 4:
+        raise ValueError("int8 activation row is not contiguous")
+    if r1 > r0:
+        _ir_dot_q8_rows(w, r0, r1 - r0, xq, xd, xs, out, nblk, Q8_0)

@@ -22,7 +22,7 @@ from numba.extending import intrinsic
 
 from strata_nb.cpu_kernels.qtypes import FLOAT_TYPES
 from strata_nb.cpu_kernels.ops import moe_combine, swiglu_quant_row
-from strata_nb.cpu_kernels.rowdot import dequant_row, dot_f32, dot_q8, dot_q8_multi
+from strata_nb.cpu_kernels.rowdot import dequant_row, dot_f32, dot_q8_multi, dot_q8_rows
 
 ROWS_PER_TASK = 16
 
@@ -137,10 +137,9 @@ def _task_q8(qtype, w, xq, xd, xs, out, r0, r1, tok_idx, j0, j1):
         _rows_multi(qtype, w, r0, r1, xqv, xdv, xsv, out, j, (tok_idx[j], tok_idx[j + 1], tok_idx[j + 2]))
     elif j1 - j == 2:
         _rows_multi(qtype, w, r0, r1, xqv, xdv, xsv, out, j, (tok_idx[j], tok_idx[j + 1]))
-    elif j1 - j == 1:
+    elif j1 - j == 1:  # decode: all the task's rows in one kernel call
         t = tok_idx[j]
-        for r in range(r0, r1):
-            out[j, r] = dot_q8(qtype, _row(w, r), _row(xq, t), _row(xd, t), _row(xs, t))
+        dot_q8_rows(qtype, w, r0, r1, _row(xq, t), _row(xd, t), _row(xs, t), _row(out, j))
 
 
 @njit(nogil=True, inline="always")
@@ -221,7 +220,7 @@ def _make_moe_ffn(FAST, QG, QU, QD):
 
     @njit(cache=True, parallel=True, nogil=True)
     def moe_ffn_spec(gate, up, down, ff, gate_rb, up_rb, hidden, down_rb, ent_lo, ent_hi, entry_tok, ident,
-                     x, xq, xd, xs, g, u, h, hq, hd, hs, y, combine, wts, entry_slot, out):
+                     x, xq, xd, xs, uq, ud, us, g, u, h, hq, hd, hs, y, combine, wts, entry_slot, out):
         ngrp = gate.shape[0]
         # gate and up of every expert of the wave: one parallel region over all their row blocks
         nblk = (ff + ROWS_PER_TASK - 1) // ROWS_PER_TASK
@@ -238,7 +237,7 @@ def _make_moe_ffn(FAST, QG, QU, QD):
             elif which == 0:
                 _task(Q8G, QG, _mat_at(gate[gi], ff, gate_rb), x, xq, xd, xs, g, r0, r1, entry_tok, j0, j1)
             else:
-                _task(Q8U, QU, _mat_at(up[gi], ff, up_rb), x, xq, xd, xs, u, r0, r1, entry_tok, j0, j1)
+                _task(Q8U, QU, _mat_at(up[gi], ff, up_rb), x, uq, ud, us, u, r0, r1, entry_tok, j0, j1)
         # h = silu(g) * u per entry of the wave, quantized for the down projection
         for gi in prange(ngrp):
             for j in range(ent_lo[gi], ent_hi[gi]):

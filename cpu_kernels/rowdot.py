@@ -10,6 +10,9 @@ Each type module exports, for each of its types T:
   dot_q8_T_multi(w u8[:], xq i8[:, :], xd f32[:, :], xs f32[:, :], toks) -> (float32,) * len(toks)
                                                   dot_q8 of one row against several tokens (rows of the 2-D
                                                   activations), unpacking the row once; bit-identical results
+  dot_q8_T_rows(w u8[rows, row_bytes], r0, r1, xq, xd, xs, out f32[rows])   out[r] = dot_q8_T(w[r], ...) for r in
+                                                  r0:r1 of one token, in one call (the decode case)
+The int8 activations of K-quant rows are in groups of 256, those of legacy rows in groups of 32 (actq.group).
 Float weights (F32/F16/BF16) have no int8 path: the fast drivers call dot_f32 for them with the float x.
 """
 from __future__ import annotations
@@ -31,7 +34,7 @@ _FLOAT = (F32, F16, BF16)
 
 
 def _kernel(kind: str, qtype) -> object:
-    """The row kernel `kind` (dequant, dot_f32, dot_q8, dot_q8_multi) for a literal quant type."""
+    """The row kernel `kind` (dequant, dot_f32, dot_q8, dot_q8_multi, dot_q8_rows) for a literal quant type."""
     if not isinstance(qtype, types.IntegerLiteral):
         raise TypingError(f"rowdot.{kind}: the quant type must be a compile-time constant (got {qtype}); "
                           "call it from a driver specialized per type (matmul.specialize)")
@@ -39,7 +42,7 @@ def _kernel(kind: str, qtype) -> object:
     if qt not in _MODULES or (kind.startswith("dot_q8") and qt in _FLOAT):
         raise TypingError(f"rowdot.{kind}: no kernel for {name(qt)}")
     tag = name(qt).lower()
-    attr = f"{kind}_{tag}" if kind != "dot_q8_multi" else f"dot_q8_{tag}_multi"
+    attr = f"dot_q8_{tag}_{kind[7:]}" if kind in ("dot_q8_multi", "dot_q8_rows") else f"{kind}_{tag}"
     return getattr(_MODULES[qt], attr)
 
 
@@ -60,6 +63,11 @@ def dot_q8(qtype, w, xq, xd, xs):
 
 def dot_q8_multi(qtype, w, xq, xd, xs, toks):
     """dot_q8 of one row against the tokens toks (a tuple) of 2-D activations, the row unpacked once."""
+    raise NotImplementedError("numba only")
+
+
+def dot_q8_rows(qtype, w, r0, r1, xq, xd, xs, out):
+    """out[r] = W[r] . x on int8 activations for rows r0:r1 of the 2-D w (quantized types only)."""
     raise NotImplementedError("numba only")
 
 
@@ -85,3 +93,9 @@ def _ol_dot_q8(qtype, w, xq, xd, xs):
 def _ol_dot_q8_multi(qtype, w, xq, xd, xs, toks):
     k = _kernel("dot_q8_multi", qtype)
     return lambda qtype, w, xq, xd, xs, toks: k(w, xq, xd, xs, toks)
+
+
+@overload(dot_q8_rows, prefer_literal=True)
+def _ol_dot_q8_rows(qtype, w, r0, r1, xq, xd, xs, out):
+    k = _kernel("dot_q8_rows", qtype)
+    return lambda qtype, w, r0, r1, xq, xd, xs, out: k(w, r0, r1, xq, xd, xs, out)

@@ -4,10 +4,11 @@ Blocks are random bytes with valid fp16 d/dmin in 1e-3..1e-1, so every bit patte
 scales is exercised. Tolerances (measured worst case on K=2048 rows in brackets):
   dequant        bit-exact (same float32 operations as gguf-py)
   dot_f32        |err| <= 1e-6 * sum|w_i x_i| against a float64 dot of the gguf row  [1.6e-8]
-  dot_q8         |err| <= 1e-6 * sum|terms| against float64 on the same int8 activations: the scale part on
-                 xd * xq, the min part on float x, as the kernel computes them  [1.6e-8]
-                 |err| <= 5e-3 * sum|w_i x_i| against the float64 dot on float x: the int8 rounding of x  [1.0e-3]
+  dot_q8         |err| <= 1e-6 * sum|terms| against float64 on the same int8 activations (per-256 scales):
+                 the scale part on xd * xq, the min and offset part on float x, as the kernel computes them
+                 |err| <= 5e-3 * sum|w_i x_i| against the float64 dot on float x: the int8 rounding of x
   dot_q8_multi   bit-identical to dot_q8 on each of its tokens (same float operations in the same order)
+  dot_q8_rows    bit-identical to dot_q8 on each of its rows
 """
 from __future__ import annotations
 
@@ -19,17 +20,19 @@ from numba import njit
 
 from strata_nb.cpu_kernels import dot_kquant as kq
 from strata_nb.cpu_kernels.actq import quantize
+from strata_nb.cpu_kernels.ir import host_features
 from strata_nb.cpu_kernels.qtypes import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, row_bytes
 from strata_nb.errors import StrataError
 
 GT = gguf.GGMLQuantizationType
-# name -> (qtype id, gguf type, block bytes, fp16 offsets, quant byte range (zeroed to isolate the min term))
+# name -> (qtype id, gguf type, block bytes, fp16 offsets, quant byte range: zeroed, a block dequantizes to its
+# min and offset terms (-m, or -s * o), which dot_q8 takes on float x)
 TYPES = {
     "q2_k": (Q2_K, GT.Q2_K, 84, (80, 82), (16, 80)),
-    "q3_k": (Q3_K, GT.Q3_K, 110, (108,), None),
+    "q3_k": (Q3_K, GT.Q3_K, 110, (108,), (0, 96)),
     "q4_k": (Q4_K, GT.Q4_K, 144, (0, 2), (16, 144)),
     "q5_k": (Q5_K, GT.Q5_K, 176, (0, 2), (16, 176)),
-    "q6_k": (Q6_K, GT.Q6_K, 210, (208,), None),
+    "q6_k": (Q6_K, GT.Q6_K, 210, (208,), (0, 192)),
 }
 NAMES = list(TYPES)
 
@@ -50,20 +53,17 @@ def gguf_rows(name: str, w: np.ndarray) -> np.ndarray:
 
 def q8_reference(name: str, w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float64 dots of rows w with the int8 activations of x[T, K], split as the kernel computes them:
-    the scale part on xd * xq, the min part on float x. Returns (dots[T, rows], sum|terms|[T, rows])."""
+    the scale part on xd * xq, the min and offset part on float x. Returns (dots[T, rows], sum|terms|[T, rows])."""
     rows = w.shape[0]
     full = gguf_rows(name, w).astype(np.float64)
     qrange = TYPES[name][4]
-    if qrange is None:
-        mins = np.zeros_like(full)
-    else:  # zero quants: gguf gives -min per weight
-        nb = w.shape[1] // TYPES[name][2]
-        z = w.reshape(rows * nb, -1).copy()
-        z[:, qrange[0]:qrange[1]] = 0
-        mins = gguf_rows(name, z.reshape(rows, -1)).astype(np.float64)
+    nb = w.shape[1] // TYPES[name][2]
+    z = w.reshape(rows * nb, -1).copy()
+    z[:, qrange[0]:qrange[1]] = 0  # zero quants: gguf gives -m or -s * o per weight
+    mins = gguf_rows(name, z.reshape(rows, -1)).astype(np.float64)
     scaled = full - mins
-    xq, xd, _ = quantize(x)
-    xa = xq.astype(np.float64) * np.repeat(xd.astype(np.float64), 32, axis=1)
+    xq, xd, _ = quantize(x, 256)
+    xa = xq.astype(np.float64) * np.repeat(xd.astype(np.float64), 256, axis=1)
     x64 = x.astype(np.float64)
     dots = xa @ scaled.T + x64 @ mins.T
     mag = np.abs(xa) @ np.abs(scaled).T + np.abs(x64) @ np.abs(mins).T
@@ -102,7 +102,7 @@ def test_dot_f32_matches_float64(name, rng):
 def test_dot_q8_matches_int8_reference_and_float(name, rng):
     w = random_rows(name, 8, 2048, rng)
     x = (rng.standard_normal((3, 2048)) * rng.uniform(0.1, 10, (3, 1))).astype(np.float32)
-    xq, xd, xs = quantize(x)
+    xq, xd, xs = quantize(x, 256)
     same, mag = q8_reference(name, w, x)
     ref = gguf_rows(name, w).astype(np.float64)
     exact = x.astype(np.float64) @ ref.T
@@ -115,11 +115,18 @@ def test_dot_q8_matches_int8_reference_and_float(name, rng):
             assert abs(got - exact[t, r]) <= 5e-3 * scale[t, r], (got, exact[t, r])
 
 
+def _chunk_dot_paths() -> list:
+    """The integer-dot builders this machine can run: the portable IR always, AVX2 where numba's target has it."""
+    return [kq._chunk_dot_generic] + ([kq._chunk_dot_avx2] if "avx2" in host_features() else [])
+
+
+@pytest.mark.parametrize("chunk_dot", _chunk_dot_paths(), ids=lambda f: f.__name__[11:])
 @pytest.mark.parametrize("name", NAMES)
-def test_dot_q8_generic_ir_path(name, rng):
-    """The portable integer-dot IR (used where numba's target lacks AVX512-VNNI) gives the same results."""
+def test_dot_q8_every_ir_path(name, chunk_dot, rng):
+    """Each integer-dot IR path (the one chosen for this CPU and the others it can run) gives the same results,
+    bit for bit: the integer sums are exact on every path."""
     bs = TYPES[name][2]
-    _, _, q8, q8m = kq._make_kernels(name, bs, getattr(kq, f"_unpack_{name}"), False)
+    _, _, q8, q8m, _ = kq._make_kernels(name, bs, getattr(kq, f"_unpack_{name}"), chunk_dot)
 
     @njit
     def dot(w, xq, xd, xs):
@@ -131,7 +138,7 @@ def test_dot_q8_generic_ir_path(name, rng):
 
     w = random_rows(name, 4, 1024, rng)
     x = rng.standard_normal((2, 1024)).astype(np.float32)
-    xq, xd, xs = quantize(x)
+    xq, xd, xs = quantize(x, 256)
     same, mag = q8_reference(name, w, x)
     for r in range(4):
         for t in range(2):
@@ -139,6 +146,41 @@ def test_dot_q8_generic_ir_path(name, rng):
             assert abs(got - same[t, r]) <= 1e-6 * mag[t, r], (got, same[t, r])
         singles = [dot(w[r], xq[t], xd[t], xs[t]) for t in (1, 0, 1)]
         np.testing.assert_array_equal(np.array(dot3(w[r], xq, xd, xs), np.float32), np.float32(singles))
+        np.testing.assert_array_equal(np.float32(singles[1]), getattr(kq, f"dot_q8_{name}")(w[r], xq[0], xd[0], xs[0]))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dot_q8_rows_matches_single(name, rng):
+    """The rows kernel writes exactly the single-row results into out[r0:r1] and nothing else."""
+    rows_k = getattr(kq, f"dot_q8_{name}_rows")
+    single = getattr(kq, f"dot_q8_{name}")
+    w = random_rows(name, 7, 512, rng)
+    xq, xd, xs = quantize(rng.standard_normal((1, 512)).astype(np.float32), 256)
+    want = np.array([single(w[r], xq[0], xd[0], xs[0]) for r in range(7)], np.float32)
+    for r0, r1 in ((0, 7), (2, 5), (6, 7), (3, 3)):
+        out = np.full(9, np.nan, np.float32)
+        rows_k(w, r0, r1, xq[0], xd[0], xs[0], out)
+        np.testing.assert_array_equal(out[r0:r1], want[r0:r1])
+        assert np.all(np.isnan(out[:r0])) and np.all(np.isnan(out[r1:]))
+    out = np.empty(7, np.float32)
+    for r0, r1 in ((-1, 3), (0, 8)):  # rows outside the matrix
+        with pytest.raises(StrataError):
+            rows_k(w, r0, r1, xq[0], xd[0], xs[0], out)
+    with pytest.raises(StrataError):  # output too short
+        rows_k(w, 0, 7, xq[0], xd[0], xs[0], out[:6])
+
+
+@pytest.mark.parametrize("name", ["q4_k", "q6_k"])
+def test_dot_q8_refuses_per32_activations(name, rng):
+    """K-quant dots read per-256 activation scales: the per-32 form (legacy types) is refused, not misread."""
+    w = random_rows(name, 2, 512, rng)
+    xq, xd, xs = quantize(rng.standard_normal((1, 512)).astype(np.float32), 32)
+    with pytest.raises(StrataError):
+        getattr(kq, f"dot_q8_{name}")(w[0], xq[0], xd[0], xs[0])
+    with pytest.raises(StrataError):
+        getattr(kq, f"dot_q8_{name}_multi")(w[0], xq, xd, xs, (0,))
+    with pytest.raises(StrataError):
+        getattr(kq, f"dot_q8_{name}_rows")(w, 0, 2, xq[0], xd[0], xs[0], np.empty(2, np.float32))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -150,7 +192,7 @@ def test_dot_q8_multi_matches_single(name, rng):
     for k in (256, 2048):
         w = random_rows(name, 3, k, rng)
         x = (rng.standard_normal((9, k)) * rng.uniform(0.1, 10, (9, 1))).astype(np.float32)
-        xq, xd, xs = quantize(x)
+        xq, xd, xs = quantize(x, 256)
         want = np.array([[single(w[r], xq[t], xd[t], xs[t]) for t in range(9)] for r in range(3)], np.float32)
         for toks in [(4,), (0, 8), (8, 3, 3), (2, 7, 0, 5), (6, 5, 4, 1)]:
             for r in range(3):
@@ -162,12 +204,12 @@ def test_dot_q8_multi_matches_single(name, rng):
 def test_dot_q8_multi_bad_input_raises(name, rng):
     multi = getattr(kq, f"dot_q8_{name}_multi")
     w = random_rows(name, 1, 512, rng)[0]
-    xq, xd, xs = quantize(rng.standard_normal((3, 512)).astype(np.float32))
+    xq, xd, xs = quantize(rng.standard_normal((3, 512)).astype(np.float32), 256)
     for toks in [(0, 3), (-1, 0), (2, 1, 0, 9)]:  # token rows out of range
         with pytest.raises(StrataError):
             multi(w, xq, xd, xs, toks)
     with pytest.raises(StrataError):  # activations of another length
-        multi(w, xq[:, :256], xd[:, :8], xs[:, :16], (0, 1))
+        multi(w, xq[:, :256], xd[:, :1], xs[:, :16], (0, 1))
     with pytest.raises(StrataError):  # non-contiguous activation rows
         multi(w, np.asfortranarray(xq), xd, xs, (0, 1))
 
@@ -176,7 +218,7 @@ def test_dot_q8_multi_bad_input_raises(name, rng):
 def test_bad_lengths_raise(name, rng):
     w = random_rows(name, 1, 512, rng)[0]
     x = rng.standard_normal(512).astype(np.float32)
-    xq, xd, xs = quantize(x[None])
+    xq, xd, xs = quantize(x[None], 256)
     with pytest.raises(StrataError):
         getattr(kq, f"dot_f32_{name}")(w, x[:256])
     with pytest.raises(StrataError):
@@ -204,7 +246,7 @@ def test_drivers(name, rng):
         out = np.full((ntok, rows), np.nan, np.float32)
         matmul_f32(qtype, w, x, out)
         assert np.all(np.abs(out - exact) <= 1e-6 * scale)
-        xq, xd, xs = quantize(x)
+        xq, xd, xs = quantize(x, 256)
         same, mag = q8_reference(name, w, x)
         out = np.full((ntok, rows), np.nan, np.float32)
         matmul_q8(qtype, w, x, xq, xd, xs, out)
@@ -218,7 +260,7 @@ def test_drivers(name, rng):
     for g in range(3):
         buf[base[g]:base[g] + rows * rb] = experts[g].reshape(-1)
     x = rng.standard_normal((4, k)).astype(np.float32)
-    xq, xd, xs = quantize(x)
+    xq, xd, xs = quantize(x, 256)
     grp_start = np.array([0, 2, 3, 6], np.int64)
     tok_idx = np.array([0, 3, 1, 0, 2, 3], np.int64)
     for fast in (False, True):

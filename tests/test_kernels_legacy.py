@@ -158,6 +158,31 @@ def test_legacy_dot_q8_multi_matches_single(name):
 
 
 @pytest.mark.parametrize("name", list(LEGACY))
+def test_legacy_dot_q8_rows_matches_single(name):
+    """The rows kernel writes exactly the single-row results into out[r0:r1] and nothing else; bad row ranges,
+    short outputs and activations of another length are refused."""
+    rng = np.random.default_rng(500)
+    rows_k, single = getattr(lg, f"dot_q8_{name}_rows"), getattr(lg, f"dot_q8_{name}")
+    nblk = 9
+    w = np.stack([legacy_row(name, nblk, rng) for _ in range(7)])
+    xq, xd, xs = (a[0] for a in quantize(activations(nblk * 32, rng)[None]))
+    want = np.array([single(w[r], xq, xd, xs) for r in range(7)], np.float32)
+    for r0, r1 in ((0, 7), (2, 5), (6, 7), (3, 3)):
+        out = np.full(9, np.nan, np.float32)
+        rows_k(w, r0, r1, xq, xd, xs, out)
+        np.testing.assert_array_equal(out[r0:r1], want[r0:r1])
+        assert np.all(np.isnan(out[:r0])) and np.all(np.isnan(out[r1:]))
+    out = np.empty(7, np.float32)
+    for r0, r1 in ((-1, 3), (0, 8)):
+        with pytest.raises(ValueError):
+            rows_k(w, r0, r1, xq, xd, xs, out)
+    with pytest.raises(ValueError):
+        rows_k(w, 0, 7, xq, xd, xs, out[:6])
+    with pytest.raises(ValueError):
+        rows_k(w, 0, 7, xq[:256], xd[:8], xs[:16], out)
+
+
+@pytest.mark.parametrize("name", list(LEGACY))
 def test_legacy_dot_q8_multi_refuses_bad_input(name):
     rng = np.random.default_rng(3)
     w = legacy_row(name, 4, rng)

@@ -17,7 +17,7 @@ import pytest
 from gguf.quants import dequantize
 from numba import njit
 
-from strata_nb.cpu_kernels.actq import quantize
+from strata_nb.cpu_kernels.actq import group, quantize
 from strata_nb.cpu_kernels.matmul import dequant_rows, matmul_f32, matmul_q8, moe_matmul, specialize
 from strata_nb.cpu_kernels.qtypes import (
     BF16, F16, FLOAT_TYPES, Q4_K, Q5_0, Q6_K, Q8_0, QUANT_INFO, SUPPORTED, row_bytes,
@@ -91,7 +91,7 @@ def test_matmul(qtype, ntok):
     matmul_f32(qtype, w, x, out)
     check_close(out, want, scale, 1e-5)
 
-    xq, xd, xs = quantize(x)
+    xq, xd, xs = quantize(x, group(qtype))
     out = np.full((ntok, ROWS), np.nan, np.float32)
     matmul_q8(qtype, w, x, xq, xd, xs, out)
     check_close(out, want, scale, 1e-5 if qtype in FLOAT_TYPES else 2e-2)
@@ -121,7 +121,7 @@ def test_moe_matmul(qtype, fast):
     grp_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     tok_idx = np.concatenate([rng.choice(ntok, c, replace=False) for c in counts]).astype(np.int64)
     x = rng.standard_normal((ntok, K)).astype(np.float32)
-    xq, xd, xs = quantize(x)
+    xq, xd, xs = quantize(x, group(qtype))
     out = np.full((tok_idx.size, ROWS), np.nan, np.float32)
     moe_matmul(fast, qtype, buf.ctypes.data + base, ROWS, rb, grp_start[:-1], grp_start[1:], tok_idx, x, xq, xd, xs,
                out)
@@ -150,7 +150,7 @@ def test_multi_token_drivers_match_single_token_kernel(qtype):
     wf = gguf_matrix(qtype, w)
     for ntok in (2, 3, 4, 5, 7, 9):
         x = rng.standard_normal((ntok, K)).astype(np.float32)
-        xq, xd, xs = quantize(x)
+        xq, xd, xs = quantize(x, group(qtype))
         out = np.full((ntok, ROWS), np.nan, np.float32)
         matmul_q8(qtype, w, x, xq, xd, xs, out)
         single = np.full((ntok, ROWS), np.nan, np.float32)
@@ -167,7 +167,7 @@ def test_multi_token_drivers_match_single_token_kernel(qtype):
     grp_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     tok_idx = np.concatenate([rng.choice(ntok, c, replace=False) for c in counts]).astype(np.int64)
     x = rng.standard_normal((ntok, K)).astype(np.float32)
-    xq, xd, xs = quantize(x)
+    xq, xd, xs = quantize(x, group(qtype))
     out = np.full((tok_idx.size, ROWS), np.nan, np.float32)
     moe_matmul(True, qtype, buf.ctypes.data + base, ROWS, rb, grp_start[:-1], grp_start[1:], tok_idx, x, xq, xd, xs,
                out)
@@ -219,7 +219,7 @@ def test_drivers_compile_parallel(driver):
             fresh(p, 32, w.shape[1], zero, one, zero, x, xq, xd, xs, out)
         else:  # a 32 x 256 gate/up, a 256 x 32 "down" read from the same bytes (only the control flow matters)
             hq, hd, hs = quantize(np.zeros((1, 32), np.float32))
-            fresh(p, p, p, 32, w.shape[1], w.shape[1], K, 34, zero, one, zero, zero, x, xq, xd, xs,
+            fresh(p, p, p, 32, w.shape[1], w.shape[1], K, 34, zero, one, zero, zero, x, xq, xd, xs, xq, xd, xs,
                   np.zeros((1, 32), np.float32), np.zeros((1, 32), np.float32), np.zeros((1, 32), np.float32),
                   hq, hd, hs, np.zeros((1, K), np.float32), True, np.ones((1, 1), np.float32), zero,
                   np.zeros((1, K), np.float32))
@@ -228,6 +228,7 @@ def test_drivers_compile_parallel(driver):
 MOE_TYPES = [pytest.param(True, (Q8_0, Q8_0, Q8_0), id="fast-Q8_0"),
              pytest.param(True, (Q4_K, Q4_K, Q6_K), id="fast-Q4_K-Q6_K"),
              pytest.param(True, (Q4_K, Q5_0, Q8_0), id="fast-gate-up-differ"),
+             pytest.param(True, (Q8_0, Q8_0, Q6_K), id="fast-down-group-differs"),
              pytest.param(True, (F16, F16, BF16), id="fast-F16-BF16"),
              pytest.param(False, (Q4_K, Q4_K, Q6_K), id="f32-Q4_K-Q6_K")]
 
@@ -254,7 +255,8 @@ def test_moe_ffn_matches_the_grouped_calls(fast, types):
     ids[1, 2] = ids[3, 0] = -1
     wts = rng.uniform(0.1, 1.0, (ntok, k)).astype(np.float32)
     x = rng.standard_normal((ntok, hidden)).astype(np.float32)
-    xq, xd, xs = quantize(x)
+    xq, xd, xs = quantize(x, group(qg))
+    uq, ud, us = quantize(x, group(qu))
     experts, grp_start, entry_tok, entry_slot = ops.group_by_expert(ids, n_exp)
     n = entry_tok.size
     lo, hi = grp_start[:-1], grp_start[1:]
@@ -262,9 +264,9 @@ def test_moe_ffn_matches_the_grouped_calls(fast, types):
 
     g, u = np.full((n, ff), np.nan, np.float32), np.full((n, ff), np.nan, np.float32)
     moe_matmul(fast, qg, offs[experts, 0], ff, rb[0], lo, hi, entry_tok, x, xq, xd, xs, g)
-    moe_matmul(fast, qu, offs[experts, 1], ff, rb[1], lo, hi, entry_tok, x, xq, xd, xs, u)
+    moe_matmul(fast, qu, offs[experts, 1], ff, rb[1], lo, hi, entry_tok, x, uq, ud, us, u)
     h = np.empty_like(g)
-    hq, hd, hs = quantize(np.zeros((n, ff), np.float32))
+    hq, hd, hs = quantize(np.zeros((n, ff), np.float32), group(qd))
     if fast:
         ops.swiglu_quant(g, u, h, hq, hd, hs)
     else:
@@ -280,11 +282,11 @@ def test_moe_ffn_matches_the_grouped_calls(fast, types):
     for waves in ([np.arange(len(experts))], [perm[:2], perm[2:3], perm[3:]]):
         cap = n + 3
         buf = (np.arange(cap), *(np.full((cap, ff), np.nan, np.float32) for _ in range(3)),
-               *quantize(np.zeros((cap, ff), np.float32)), np.full((cap, hidden), np.nan, np.float32))
+               *quantize(np.zeros((cap, ff), np.float32), group(qd)), np.full((cap, hidden), np.nan, np.float32))
         got = got0.copy()
         for i, grp in enumerate(waves):
             kern(offs[experts[grp], 0], offs[experts[grp], 1], offs[experts[grp], 2], ff, rb[0], rb[1], hidden,
-                 rb[2], grp_start[grp], grp_start[grp + 1], entry_tok, buf[0], x, xq, xd, xs, *buf[1:],
+                 rb[2], grp_start[grp], grp_start[grp + 1], entry_tok, buf[0], x, xq, xd, xs, uq, ud, us, *buf[1:],
                  i == len(waves) - 1, wts, entry_slot, got)
         np.testing.assert_array_equal(buf[-1][:n], y)
         np.testing.assert_array_equal(got, want)

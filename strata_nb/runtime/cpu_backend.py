@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from strata_nb.cpu_kernels import actq, ops
-from strata_nb.cpu_kernels.matmul import dequant_rows, matmul_f32, matmul_q8, moe_ffn_for
+from strata_nb.cpu_kernels.matmul import _is_float, dequant_rows, matmul_f32, matmul_q8, moe_ffn_for
 from strata_nb.experts.store import ExpertStore, MappedStore
 from strata_nb.model.spec import ModelSpec
 from strata_nb.model.weights import LayerWeights, Linear, ModelWeights
@@ -30,22 +30,32 @@ class ForwardStats:
 
 
 class Activation:
-    """A float32 activation [T, K] with its int8 quantization made once and shared by every consumer."""
+    """A float32 activation [T, K] with its int8 forms (one per activation group size, actq.group), each made once
+    and shared by every consumer. keep: a dict of buffers kept per (T, K, group) to quantize into (no allocation),
+    or None."""
 
-    __slots__ = ("x", "_q")
+    __slots__ = ("x", "_q", "_keep")
 
-    def __init__(self, x: np.ndarray, q: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
+    def __init__(self, x: np.ndarray, q: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                 keep: dict | None = None):
         self.x = x
-        self._q = q
+        self._q = {} if q is None else {x.shape[1] // q[1].shape[1]: q}
+        self._keep = keep
 
-    @staticmethod
-    def empty_q(t: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return np.empty((t, k), np.int8), np.empty((t, k // 32), np.float32), np.empty((t, k // 16), np.float32)
-
-    def q(self):
-        if self._q is None:
-            self._q = actq.quantize(self.x)
-        return self._q
+    def q(self, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The int8 form in groups of `group` (xq, xd, xs)."""
+        q = self._q.get(group)
+        if q is None:
+            t, k = self.x.shape
+            if self._keep is None:
+                q = actq.empty(t, k, group)
+            else:
+                q = self._keep.get((t, k, group))
+                if q is None:
+                    q = self._keep[(t, k, group)] = actq.empty(t, k, group)
+            actq.quantize_rows(self.x, *q)
+            self._q[group] = q
+        return q
 
 
 class CPUBackend:
@@ -62,8 +72,10 @@ class CPUBackend:
         self._qk_mode = {"none": ops.QK_NORM_NONE, "head": ops.QK_NORM_HEAD, "full": ops.QK_NORM_FULL}[spec.qk_norm]
         # Per MoE layer: the routed-expert kernel specialized for its quant types, and its matrix geometry.
         self._moe: dict[int, tuple] = {}
-        self._scratch: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
+        self._scratch: dict[tuple[int, int, int], tuple[np.ndarray, ...]] = {}
         self._act_q: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # MoE layer -> int8 activation groups of its gate, up and down matrices (None: float32 activations)
+        self._grp: dict[int, tuple[int | None, int | None, int | None]] = {}
         if experts is not None:
             src = experts.src
             for l in moe:
@@ -71,14 +83,18 @@ class CPUBackend:
                 if mg.rows != mu.rows or md.rows != spec.n_embd:
                     raise ValueError(f"layer {l}: expert matrices of {mg.rows}, {mu.rows} and {md.rows} rows")
                 kern = moe_ffn_for(bool(fast), int(mg.qtype), int(mu.qtype), int(md.qtype))
+                self._grp[l] = tuple(self._group(int(m.qtype)) for m in (mg, mu, md))
                 self._moe[l] = (kern, mg.rows, mg.row_bytes, mu.row_bytes, md.rows, md.row_bytes,
                                 mg.nbytes + mu.nbytes + md.nbytes)
+        # the int8 group of each layer's FFN input: that of its first quantized consumer
+        self._ffn_group = [self._ffn_in_group(l, lw) for l, lw in enumerate(weights.layers)]
 
     # -- building blocks ----------------------------------------------------------------------------------
     def linear(self, m: Linear, a: Activation) -> np.ndarray:
         out = np.empty((a.x.shape[0], m.n_out), np.float32)
         if self.fast:
-            xq, xd, xs = a.q()
+            group = self._group(m.qtype)
+            xq, xd, xs = a.q(group) if group else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
             matmul_q8(m.qtype, m.rows, a.x, xq, xd, xs, out)
         else:
             matmul_f32(m.qtype, m.rows, a.x, out)
@@ -87,48 +103,57 @@ class CPUBackend:
         return out
 
     def activation(self, x: np.ndarray) -> Activation:
-        """x f32[T, K] (C-contiguous) as an Activation whose int8 form is computed now into buffers kept per shape:
-        for callers outside the forward such as the hybrid engine's CPU pool (no allocation per layer); valid
-        until the next call with the same shape."""
-        if not self.fast or x.shape[1] % 32:
-            return Activation(x)
-        q = self._act_q.get(x.shape)
-        if q is None:
-            q = self._act_q[x.shape] = Activation.empty_q(*x.shape)
-        actq.quantize_rows(x, *q)
-        return Activation(x, q)
+        """x f32[T, K] (C-contiguous) as an Activation whose int8 forms go into buffers kept per shape: for callers
+        outside the forward such as the hybrid engine's CPU pool (no allocation per layer); valid until the next
+        call with the same shape."""
+        return Activation(x, keep=self._act_q)
 
     def norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         out = np.empty_like(x)
         ops.rmsnorm(x, w, np.float32(self.spec.rms_eps), out)
         return out
 
-    def norm_act(self, x: np.ndarray, w: np.ndarray) -> Activation:
-        """rmsnorm(x) * w as the input of matmuls; on the fast path quantized in the same kernel call."""
-        if not self.fast or x.shape[1] % 32:
+    def _group(self, qtype: int) -> int | None:
+        """The int8 activation group for matrices of qtype, None where they take float32 activations."""
+        return actq.group(qtype) if self.fast and not _is_float(qtype) else None
+
+    def _ffn_in_group(self, layer: int, lw: LayerWeights) -> int | None:
+        if lw.router is None:
+            return self._group(lw.ffn_gate.qtype)
+        if self.experts is not None:
+            return self._group(self.experts.src.matrix(layer, "gate").qtype)
+        return self._group(lw.shexp_gate.qtype) if lw.shexp_gate is not None else None
+
+    def norm_act(self, x: np.ndarray, w: np.ndarray, group: int | None) -> Activation:
+        """rmsnorm(x) * w as the input of matmuls; on the fast path quantized in the same kernel call, in the
+        activation group of its first consumer (others quantize on first use; None: float consumers)."""
+        if group is None or x.shape[1] % group:
             return Activation(self.norm(x, w))
-        a = Activation(np.empty_like(x), Activation.empty_q(*x.shape))
-        ops.rmsnorm_quant(x, w, np.float32(self.spec.rms_eps), a.x, *a._q)
+        q = actq.empty(*x.shape, group)
+        a = Activation(np.empty_like(x), q)
+        ops.rmsnorm_quant(x, w, np.float32(self.spec.rms_eps), a.x, *q)
         return a
 
-    def swiglu(self, g: np.ndarray, u: np.ndarray) -> Activation:
-        """silu(g) * u as the input of a down projection; on the fast path quantized in the same call."""
-        if not self.fast or g.shape[1] % 32:
+    def swiglu(self, g: np.ndarray, u: np.ndarray, down: Linear) -> Activation:
+        """silu(g) * u as the input of the down projection; on the fast path quantized in the same call."""
+        group = self._group(down.qtype)
+        if group is None or g.shape[1] % group:
             h = np.empty_like(g)
             ops.silu_mul(g, u, h)
             return Activation(h)
-        a = Activation(np.empty_like(g), Activation.empty_q(*g.shape))
-        ops.swiglu_quant(g, u, a.x, *a._q)
+        q = actq.empty(*g.shape, group)
+        a = Activation(np.empty_like(g), q)
+        ops.swiglu_quant(g, u, a.x, *q)
         return a
 
     def ffn(self, gate: Linear, up: Linear, down: Linear, a: Activation) -> np.ndarray:
-        return self.linear(down, self.swiglu(self.linear(gate, a), self.linear(up, a)))
+        return self.linear(down, self.swiglu(self.linear(gate, a), self.linear(up, a), down))
 
     # -- layers -------------------------------------------------------------------------------------------
     def attention(self, lw: LayerWeights, layer: int, x: np.ndarray, session: Session, cos, sin) -> np.ndarray:
         s = self.spec
         t = x.shape[0]
-        a = self.norm_act(x, lw.attn_norm)
+        a = self.norm_act(x, lw.attn_norm, self._group(lw.wq.qtype))
         q, k, v = self.linear(lw.wq, a), self.linear(lw.wk, a), self.linear(lw.wv, a)
         o = np.empty((t, s.n_head, s.head_dim), np.float32)
         ops.attention_block(q, k, v, _ONE if lw.q_norm is None else lw.q_norm,
@@ -163,8 +188,10 @@ class CPUBackend:
         if record:
             store.routed(layer, experts, np.diff(grp_start))
         kern, ff, gate_rb, up_rb, hidden, down_rb, nbytes = self._moe[layer]
-        buf = self._moe_scratch(ff, hidden, entry_tok.shape[0])
-        xq, xd, xs = a.q() if self.fast else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
+        gg, gu, gd = self._grp[layer]
+        buf = self._moe_scratch(ff, hidden, gd, entry_tok.shape[0])
+        xq, xd, xs = a.q(gg) if gg else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
+        uq, ud, us = a.q(gu) if gu else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
         # The store hands the experts over in waves as their bytes reach RAM: one compiled call per wave runs
         # gate+up, SwiGLU (+ int8 quantization) and down for the wave's entries; the call of the last wave also
         # adds the weighted sum of every entry into out, in entry order, so which tier served an expert (and in
@@ -174,20 +201,22 @@ class CPUBackend:
             grp = wave.groups
             done += len(grp)
             kern(wave.gate, wave.up, wave.down, ff, gate_rb, up_rb, hidden, down_rb, grp_start[grp],
-                 grp_start[grp + 1], entry_tok, buf[0], a.x, xq, xd, xs, *buf[1:], done == ngrp, wts, entry_slot, out)
+                 grp_start[grp + 1], entry_tok, buf[0], a.x, xq, xd, xs, uq, ud, us, *buf[1:], done == ngrp, wts,
+                 entry_slot, out)
         self.stats.expert_s += time.perf_counter() - t0
         self.stats.expert_bytes += ngrp * nbytes
 
-    def _moe_scratch(self, ff: int, hidden: int, n: int) -> tuple[np.ndarray, ...]:
+    def _moe_scratch(self, ff: int, hidden: int, group: int | None, n: int) -> tuple[np.ndarray, ...]:
         """The routed-expert kernel's buffers for n entries (kept, grown when a batch needs more): the entries'
-        identity index, gate and up outputs, h with its int8 form, and the down outputs."""
-        buf = self._scratch.get((ff, hidden))
+        identity index, gate and up outputs, h with its int8 form (in the down matrix's activation group), and
+        the down outputs."""
+        buf = self._scratch.get((ff, hidden, group))
         if buf is None or buf[0].shape[0] < n:
             cap = max(n, 2 * self.spec.n_expert_used)
-            qf, qd, qs = Activation.empty_q(cap, ff) if ff % 32 == 0 else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
+            qf, qd, qs = actq.empty(cap, ff, group) if group and ff % group == 0 else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
             buf = (np.arange(cap, dtype=np.int64), np.empty((cap, ff), np.float32), np.empty((cap, ff), np.float32),
                    np.empty((cap, ff), np.float32), qf, qd, qs, np.empty((cap, hidden), np.float32))
-            self._scratch[(ff, hidden)] = buf
+            self._scratch[(ff, hidden, group)] = buf
         return buf
 
     def moe(self, lw: LayerWeights, layer: int, a: Activation) -> np.ndarray:
@@ -246,7 +275,7 @@ class CPUBackend:
                                    self._corr[0], self._corr[1], self.w.rope_freqs.astype(np.float64))
         for i, lw in enumerate(self.w.layers):
             x += self.attention(lw, i, x, session, cos, sin)
-            a = self.norm_act(x, lw.ffn_norm)
+            a = self.norm_act(x, lw.ffn_norm, self._ffn_group[i])
             if lw.router is not None:
                 self.lookahead(i, a)
                 x += self.moe(lw, i, a)
@@ -254,7 +283,7 @@ class CPUBackend:
                 x += self.ffn(lw.ffn_gate, lw.ffn_up, lw.ffn_down, a)
         if not all_logits:
             x = x[-1:]
-        logits = self.linear(self.w.output, self.norm_act(x, self.w.output_norm))
+        logits = self.linear(self.w.output, self.norm_act(x, self.w.output_norm, self._group(self.w.output.qtype)))
         session.advance([int(v) for v in tokens])
         if self.experts is not None:
             self.experts.end_forward(t)
