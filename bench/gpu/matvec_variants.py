@@ -21,7 +21,8 @@ from numba import cuda, uint32
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from strata_nb.cpu_kernels.qtypes import F32, Q4_K, Q6_K, row_bytes  # noqa: E402
 from strata_nb.cuda_kernels import matmul as mm  # noqa: E402
-from strata_nb.runtime.cuda_rt import Graph  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_decode import replay_us  # noqa: E402
 
 D, QD, KVD, E, F, K = 2048, 4096, 512, 128, 768, 8  # hidden, q width, k/v width, experts, expert ff, top-k
 
@@ -50,24 +51,11 @@ def rand_u8(rng, rows: int, rb: int):
     return cuda.to_device(a)
 
 
-def timed(fn, st, reps: int) -> float:
-    g = Graph(lambda s: [fn(s) for _ in range(reps)], st, "bench")
-    g.launch(st)
-    st.synchronize()
-    e0, e1 = cuda.event(), cuda.event()
-    e0.record(st)
-    g.launch(st)
-    e1.record(st)
-    e1.synchronize()
-    g.close()
-    return 1e3 * cuda.event_elapsed_time(e0, e1) / reps
-
-
 def _run(fn, st, reps: int, name: str, var: str) -> float:
     try:
         fn(st)
         st.synchronize()
-        return timed(fn, st, reps)
+        return replay_us(fn, st, reps)
     except Exception as e:  # a variant that does not compile is reported, not fatal
         print(f"  {name} {var}: {type(e).__name__}: {str(e)[:120]}")
         return float("nan")
@@ -117,7 +105,8 @@ def main() -> None:
     for name, (_, mbytes) in cases.items():
         n32 = int(mbytes * 1e6) // 4
         buf = cuda.device_array(n32, np.uint32)
-        floors[name] = timed(lambda s, buf=buf: _touch[min(-(-n32 // 256), 132 * 16), 256, s](buf, sink), st, a.reps)
+        grid = min(-(-n32 // 256), 132 * 16)
+        floors[name] = replay_us(lambda s, buf=buf, grid=grid: _touch[grid, 256, s](buf, sink), st, a.reps)
     mm.cuda.jit = _jit_nocache  # variants differ in module constants the on-disk cache key does not hold
     print(f"{'kernel':14s} {'MB':>6s} {'floor us':>9s} " + " ".join(f"{v:>14s}" for v in a.variants.split(",")))
     res = {}

@@ -26,6 +26,21 @@ from strata_nb.runtime.cuda_rt import Graph  # noqa: E402
 from strata_nb.runtime.sampler import SamplerConfig  # noqa: E402
 
 
+def replay_us(fn, st, reps: int, name: str = "bench") -> float:
+    """Microseconds per launch of fn(stream): `reps` launches captured in one CUDA graph, CUDA events around a
+    replay (after one untimed replay)."""
+    g = Graph(lambda s: [fn(s) for _ in range(reps)], st, name)
+    g.launch(st)
+    st.synchronize()
+    e0, e1 = cuda.event(), cuda.event()
+    e0.record(st)
+    g.launch(st)
+    e1.record(st)
+    e1.synchronize()
+    g.close()
+    return 1e3 * cuda.event_elapsed_time(e0, e1) / reps
+
+
 def label(op) -> str:
     try:
         src = inspect.getsource(op).strip()
@@ -58,16 +73,7 @@ def main() -> None:
             lab = label(op)
             if "advance" in lab or "ring" in lab:
                 continue
-            g = Graph(lambda st_, op=op: [op(st_) for _ in range(a.reps)], st, f"op {i}")
-            g.launch(st)
-            st.synchronize()
-            e0, e1 = cuda.event(), cuda.event()
-            e0.record(st)
-            g.launch(st)
-            e1.record(st)
-            e1.synchronize()
-            g.close()
-            rows.append((i, lab, 1e3 * cuda.event_elapsed_time(e0, e1) / a.reps))
+            rows.append((i, lab, replay_us(op, st, a.reps, f"op {i}")))
         # the whole token as graph replays (position restored afterwards)
         pos = b.pos.copy_to_host()
         st.synchronize()
