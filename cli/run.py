@@ -179,7 +179,11 @@ def hybrid_lines(eng, res) -> list[str]:
     tot = h.hits + h.misses
     if tot:
         gbs = h.miss_bytes / res.expert_s / 1e9 if res.expert_s > 0 else float("nan")
-        out.append(f"expert hits     {100 * h.hits / tot:5.1f}% of choices, "
+        from strata_nb.runtime.gpu_backend import WARM_TOKENS  # loaded already: the hybrid engine ran
+
+        late = h.late_hits + h.late_misses
+        after = f" ({100 * h.late_hits / late:.1f}% after the first {WARM_TOKENS} tokens)" if late else ""
+        out.append(f"expert hits     {100 * h.hits / tot:5.1f}% of choices{after}, "
                    f"{100 * h.hit_bytes / max(1, h.hit_bytes + h.miss_bytes):5.1f}% of bytes from VRAM; CPU pool "
                    f"{_gb(h.miss_bytes / n)} per token at {gbs:.1f} GB/s in its kernels")
     cs = getattr(eng.backend, "cache", None)

@@ -172,7 +172,7 @@ def test_vram_cache_slots_hold_their_experts_after_admission_and_swaps(model, re
     eng = Engine(model, device="cuda", n_ctx=CTX, fast=False, vram_budget=budget_for(model, 1), adapt_every=1)
     try:
         be = eng.backend
-        be.cache.max_swaps = 8
+        be.cache.swaps_per_layer = 8
         res = eng.generate(PROMPT, 3, SamplerConfig(temperature=0.0), keep_logits=True)
         assert close(np.concatenate(res.logits), ref) < TOL
         eng.generate(PROMPT, 8, SamplerConfig(temperature=1.0, seed=3))
@@ -267,3 +267,22 @@ def test_cli_device_choice_and_vram_plan(model):
     assert r.returncode == 0, r.stderr
     for want in ("device: hybrid GPU engine", "expert slots", "token time", "expert hits", "VRAM cache"):
         assert want in r.stderr, want
+
+
+def test_choose_swaps_ranks_by_decayed_counts_with_hysteresis_and_a_budget():
+    """The cache's adaptation step on one layer: the hottest experts without a slot replace the coldest residents
+    while the newcomer leads by more than one token, never more than the budget, never a loading expert."""
+    from strata_nb.experts.vram_cache import choose_swaps
+
+    slot_expert = np.array([0, 1, 2, -2], np.int64)  # slot 3 is loading expert 6
+    table = np.full(8, -1, np.int32)
+    table[[0, 1, 2]] = [0, 1, 2]
+    loading = np.zeros(8, bool)
+    loading[6] = True
+    counts = np.array([5.0, 0.5, 2.0, 0.0, 4.0, 1.4, 9.0, 3.2])
+    # candidates by count: 4 (4.0), 7 (3.2), 5 (1.4); residents coldest first: slot 1 (0.5), slot 2 (2.0), slot 0
+    assert choose_swaps(slot_expert, table, loading, counts, 8) == [(1, 4), (2, 7)]  # 1.4 <= 5.0 + 1 stops it
+    assert choose_swaps(slot_expert, table, loading, counts, 1) == [(1, 4)]
+    counts[7] = 3.0  # 3.0 <= 2.0 + 1: within the hysteresis
+    assert choose_swaps(slot_expert, table, loading, counts, 8) == [(1, 4)]
+    assert choose_swaps(np.full(4, -1, np.int64), np.full(8, -1, np.int32), loading, counts, 8) == []

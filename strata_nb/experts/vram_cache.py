@@ -31,6 +31,26 @@ from strata_nb.runtime.cuda_rt import event_done, stream_wait
 _ALIGN = 256  # matrix offsets inside a slot: aligned for wide loads
 
 
+def choose_swaps(slot_expert: np.ndarray, table: np.ndarray, loading: np.ndarray, counts: np.ndarray,
+                 budget: int) -> list[tuple[int, int]]:
+    """One layer's adaptation step: (slot, expert) pairs where the most-routed experts without a slot replace the
+    least-routed residents, while the newcomer's decayed count beats the resident's by more than one token
+    (hysteresis), at most `budget` of them. slot_expert i64[S] (-1 free, -2 loading), table i32[E] (slot or -1),
+    loading bool[E], counts f64[E]."""
+    res = np.flatnonzero(slot_expert >= 0)
+    cand = np.flatnonzero((table < 0) & ~loading & (counts > 0))
+    if len(res) == 0 or len(cand) == 0:
+        return []
+    cand = cand[np.argsort(-counts[cand], kind="stable")]
+    cold = res[np.argsort(counts[slot_expert[res]], kind="stable")]
+    out = []
+    for e, s in zip(cand, cold):
+        if len(out) >= budget or counts[e] <= counts[slot_expert[s]] + 1.0:
+            break
+        out.append((int(s), int(e)))
+    return out
+
+
 @dataclass(frozen=True)
 class SlotMatrix:
     qtype: int
@@ -80,14 +100,15 @@ class VRAMCache:
     """
 
     def __init__(self, src: ExpertSource, n_layer: int, n_expert: int, slots: dict[int, int],
-                 profile: RoutingProfile | None = None, *, adapt_every: int = 4, max_swaps: int = 32,
+                 profile: RoutingProfile | None = None, *, adapt_every: int = 4, swaps_per_layer: int = 4,
                  decay: float = 0.7, timeout_s: float = 60.0):
         self.src = src
         self.n_expert = n_expert
         self.slots = {l: int(min(n, n_expert)) for l, n in slots.items()}
         self.layouts = {l: slot_layout(src, l) for l in self.slots}
         self.profile = profile
-        self.adapt_every, self.max_swaps, self.decay, self.timeout_s = adapt_every, max_swaps, decay, timeout_s
+        self.adapt_every, self.swaps_per_layer, self.decay = adapt_every, swaps_per_layer, decay
+        self.timeout_s = timeout_s
         self.stats = CacheStats()
         self.bufs = {l: cuda.device_array((n, self.layouts[l].slot_bytes), np.uint8)
                      for l, n in self.slots.items() if n > 0}
@@ -227,26 +248,14 @@ class VRAMCache:
         evicted = []
         if self.adapt_every > 0 and self._tokens % self.adapt_every == 0:
             self.counts *= self.decay
-            budget = self.max_swaps
+            # A budget per layer: one shared by all layers went to the first ones (a 48-layer replay of a
+            # recorded routing reached 82% of the best static placement with 32 swaps shared, 92% with 4 a layer)
             for l, slots in self.slot_expert.items():
-                if budget <= 0 or len(slots) == 0 or len(slots) == self.n_expert:
-                    continue
-                res = np.flatnonzero(slots >= 0)
-                if len(res) == 0:
-                    continue
-                res_e = slots[res]
-                cand = np.flatnonzero((self.host_table[l] < 0) & ~self.loading[l] & (self.counts[l] > 0))
-                if len(cand) == 0:
-                    continue
-                cand = cand[np.argsort(-self.counts[l, cand], kind="stable")]
-                cold = res[np.argsort(self.counts[l, res_e], kind="stable")]
-                for e, s in zip(cand, cold):
-                    old = int(slots[s])
-                    if budget <= 0 or self.counts[l, e] <= self.counts[l, old] + 1.0:  # hysteresis: one token
-                        break
-                    self.host_table[l, old] = -1
-                    evicted.append((l, int(s), int(e)))
-                    budget -= 1
+                if 0 < len(slots) < self.n_expert:
+                    for s, e in choose_swaps(slots, self.host_table[l], self.loading[l], self.counts[l],
+                                             self.swaps_per_layer):
+                        self.host_table[l, slots[s]] = -1
+                        evicted.append((l, s, e))
             changed = changed or bool(evicted)
         if changed:
             ev = self._upload(stream)

@@ -41,6 +41,7 @@ from strata_nb.runtime.sampler import Sampler, SamplerConfig
 from strata_nb.runtime.session import Session
 
 Op = Callable[[object], None]  # enqueues kernels on the stream it is given
+WARM_TOKENS = 16  # decode tokens the VRAM cache gets to adapt before its hit rate is judged (late_*, routed)
 
 
 @dataclass
@@ -64,7 +65,10 @@ class HybridStats:
     misses: int = 0  # expert choices computed by the CPU pool
     hit_bytes: int = 0
     miss_bytes: int = 0
-    routed: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))  # [n_layer, n_expert]
+    late_hits: int = 0  # the same after the engine's first WARM_TOKENS decode tokens (the cache adapted)
+    late_misses: int = 0
+    # [n_layer, n_expert] choices per expert after those tokens: the best static placement of the same slots
+    routed: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
 
     def copy(self) -> "HybridStats":
         return dataclasses.replace(self, routed=self.routed.copy())
@@ -368,10 +372,11 @@ class GPUBackend:
         # one count of the layer's choices (hits included) for the cache's placement and the stats, added inside
         # the split, and for the store (profile, residency) below; none while warming up
         scratch, counting = self._ptally, not self._warming
+        late = stats is not None and stats.tokens >= WARM_TOKENS
         ng, nm_e, nh, nm = cops.pool_split(
             self._pids[:T], self._pslot[:T], self._pmask[:T], self._pexp, self._pcnt, self._pmiss,
             self.cache.counts[layer] if counting else scratch[0],
-            stats.routed[layer] if counting and stats is not None else scratch[1])
+            stats.routed[layer] if counting and late else scratch[1])
         mask = self._pmask[:T]
         if self._warming:  # the pool computes every choice, so its kernels compile even when all of them hit VRAM
             mask[:] = self._pids[:T]
@@ -395,6 +400,9 @@ class GPUBackend:
             stats.misses += nm
             stats.hit_bytes += nh * nb
             stats.miss_bytes += nm * nb
+            if late:
+                stats.late_hits += nh
+                stats.late_misses += nm
         return dt
 
     def _execute(self, segs: list[_Segment], T: int, stats: HybridStats | None) -> None:
