@@ -49,7 +49,7 @@ class HybridStats:
     """Accumulated over decode tokens. graph_s + wait_s + cpu_s + host_s is the wall time of those tokens:
     wait_s the doorbell waits (the GPU running a layer up to its publish), graph_s the wait for the last segment
     (head and sampler), cpu_s the CPU expert pool, host_s everything else on the host; of host_s: launch_s the
-    graph launches, glue_s the pool's per-layer glue (routing split, counts, admissions, int8 activations),
+    graph launches, glue_s the pool's per-layer glue (routing split, counts, admissions, zeroing the sum),
     handover_s the calls into the device thread and back, end_s the token's end (VRAM cache, sampled id)."""
 
     tokens: int = 0
