@@ -147,11 +147,14 @@ def test_fast_cpu_pool_is_the_cpu_engines_int8_path(model, monkeypatch):
         assert np.abs(y - f32).max() <= 2e-2 * np.abs(f32).max()
 
 
-def test_device_sampler_gives_the_cpu_engines_tokens(model):
+def test_device_sampler_gives_the_cpu_engines_tokens(model, monkeypatch):
     """Sampling on the device (only the id comes back) draws what the host sampler draws from the same seed."""
     cfg = dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, repeat_penalty=1.1, seed=1234)
     cpu = Engine(model, device="cpu", n_ctx=CTX, fast=False)
     want = cpu.generate(PROMPT, 6, SamplerConfig(**cfg)).tokens
+    from strata_nb.runtime import gpu_backend
+
+    monkeypatch.setattr(gpu_backend, "WARM_TOKENS", 2)  # the cache's warm-up: the first 2 decode tokens here
     eng = Engine(model, device="cuda", n_ctx=CTX, fast=False, vram_budget=budget_for(model, 2))
     try:
         res = eng.generate(PROMPT, 6, SamplerConfig(**cfg))
@@ -159,7 +162,8 @@ def test_device_sampler_gives_the_cpu_engines_tokens(model):
         h = res.hybrid
         assert h.tokens == res.decode_steps == 5
         assert h.hits + h.misses == 5 * 2 * 2  # decode tokens x MoE layers x top-k
-        assert h.routed.sum() == h.hits + h.misses
+        assert h.late_hits + h.late_misses == 3 * 2 * 2  # after the warm-up
+        assert h.routed.sum() == h.late_hits + h.late_misses
         assert abs(h.wall_s - res.decode_s) < 0.25 * res.decode_s  # the breakdown accounts for the decode time
     finally:
         eng.close()
