@@ -13,6 +13,51 @@ if not Path("/dev/nvidiactl").exists():
 import pytest  # noqa: E402
 
 
+def _thread_safe_simulator_swap() -> None:
+    """numba's CUDA simulator runs a block's threads as Python threads, and on every device-function call it swaps
+    the `cuda` global of the function's module for its fake module, restoring it on return. Two threads inside
+    device functions of one module race: the first to return restores the real module while the other still reads
+    `cuda.threadIdx` (seen in CI: "module 'numba.cuda' has no attribute 'threadIdx'" in block_sum). Counting the
+    threads inside each module keeps the fake in place until the last one leaves."""
+    import threading
+    from contextlib import contextmanager
+
+    from numba import config
+
+    if not config.ENABLE_CUDASIM:
+        return
+    from numba.cuda.simulator import kernel as sim_kernel
+
+    lock = threading.Lock()
+    inside: dict[int, list] = {}  # id(module globals) -> [threads inside, original bindings]
+
+    @contextmanager
+    def swapped_cuda_module(fn, fake_cuda_module):
+        from numba import cuda
+
+        glob = fn.__globals__
+        with lock:
+            st = inside.get(id(glob))
+            if st is None:
+                orig = {k: v for k, v in glob.items() if v is cuda}
+                glob.update({k: fake_cuda_module for k in orig})
+                st = inside[id(glob)] = [0, orig]
+            st[0] += 1
+        try:
+            yield
+        finally:
+            with lock:
+                st[0] -= 1
+                if st[0] == 0:
+                    glob.update(st[1])
+                    del inside[id(glob)]
+
+    sim_kernel.swapped_cuda_module = swapped_cuda_module
+
+
+_thread_safe_simulator_swap()
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     if not os.environ.get("CI"):
         return
