@@ -247,31 +247,33 @@ def gpu_bandwidth(gib: float, reps: int = 10) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- one arm (child)
+def share_plan(model: str, share: float, n_ctx: int) -> tuple[int, int, int, int, int]:
+    """(VRAM budget, fixed bytes, expert bytes, bytes of one slot in every MoE layer, slots per layer) for a VRAM
+    share of the expert slots. The engine gives every MoE layer (budget - fixed) // (one slot in each layer)
+    slots, and a slot is an expert padded to alignment: share * expert_bytes would fall a slot short at share 1.
+    So the budget is round(share * n_expert) slots per layer, plus half a slot of slack."""
+    from strata_nb.api import gpu_fixed_bytes, memory_needs, open_model
+    from strata_nb.experts.source import open_experts
+    from strata_nb.experts.vram_cache import slot_layout
+
+    g, spec = open_model(model)
+    fixed = gpu_fixed_bytes(model, n_ctx)
+    src = open_experts(g)
+    per_slot = sum(slot_layout(src, layer).slot_bytes for layer in src.layers)
+    want = round(share * spec.n_expert)
+    return fixed + want * per_slot + per_slot // 2, fixed, memory_needs(g, spec, n_ctx).expert_bytes, per_slot, want
+
+
 def strata_child(a) -> dict:
     import dataclasses
     import resource
 
-    from strata_nb.api import Engine, gpu_fixed_bytes, memory_needs, open_model
+    from strata_nb.api import Engine, open_model
     from strata_nb.runtime.sampler import SamplerConfig
 
     g, spec = open_model(a.model)
     n_ctx = a.n_ctx or a.n_prompt + a.n_gen + 8
-    expert_bytes = memory_needs(g, spec, n_ctx).expert_bytes
-    fixed = gpu_fixed_bytes(a.model, n_ctx)
-    # The engine gives every MoE layer (budget - fixed) // (one slot in each layer) slots, and a slot is an
-    # expert padded to alignment: share * expert_bytes would fall a slot short at share 1. So the budget is
-    # round(share * n_expert) slots per layer, plus half a slot of slack.
-    try:
-        from strata_nb.experts.source import open_experts
-        from strata_nb.experts.vram_cache import slot_layout
-
-        src = open_experts(g)
-        per_slot = sum(slot_layout(src, layer).slot_bytes for layer in src.layers)
-        want = round(a.share * spec.n_expert)
-        budget = fixed + want * per_slot + per_slot // 2
-    except ImportError:  # the slot layout moved: fall back to the plain share of the expert bytes
-        per_slot, want = None, None
-        budget = fixed + a.share * expert_bytes
+    budget, fixed, expert_bytes, per_slot, want = share_plan(a.model, a.share, n_ctx)
     out: dict = {"arm": "strata-nb", "share": a.share, "prompt_seed": a.prompt_seed, "gpu_fixed_bytes": fixed,
                  "expert_bytes": expert_bytes, "slot_bytes_all_layers": per_slot, "slots_per_layer_asked": want,
                  "vram_budget": budget, "profile": a.profile}

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Device call during development (carry [".gpu"]): the GPU test files, the matrix kernels' launch shapes
 # (VARIANTS="4x4,4x2,..." runs matvec_variants.py), per-kernel decode times on the 2-layer model, then
-# hybrid_vs_llama.py on the full uniform model with whatever time is left (BENCH_ARGS=none: no benchmark).
+# PROBES="0.5 0.5:GOMP_SPINCOUNT=30000000 1" runs pool_probe.py on the full uniform model once per entry (VRAM
+# share, then the environment of that run), then hybrid_vs_llama.py on it with whatever time is left
+# (BENCH_ARGS=none: no benchmark). PACK=1 packs the numba cache into $OUT for the next call's .gpu/.
 set -uo pipefail
 BUDGET=${CALL_BUDGET:-560}
 OUT=${OUT:-/tmp/gpu-out}
@@ -13,8 +15,9 @@ export BENCH_MIRROR_DIR=$OUT
 SMOKE=$(bash bench/gpu/synth.sh path smoke)
 UNI=$(bash bench/gpu/synth.sh path uniform)
 bash bench/gpu/build_llama.sh start
-if [ "${BENCH_ARGS:-}" = none ]; then SYNTH_NICE=10 bash bench/gpu/synth.sh start smoke
+if [ "${BENCH_ARGS:-}" = none ] && [ -z "${PROBES:-}" ]; then SYNTH_NICE=10 bash bench/gpu/synth.sh start smoke
 else SYNTH_NICE=10 bash bench/gpu/synth.sh start smoke uniform; fi
+pack() { [ "${PACK:-0}" = 1 ] && bash bench/gpu/pack_cache.sh "$OUT"; }
 ts "pytest GPU files"
 timeout -s INT -k 20 ${PYTEST_S:-200} python3 -m pytest -q -p no:cacheprovider -rfE ${TESTS:-tests/test_cuda_ops.py tests/test_cuda_matmul.py tests/test_hybrid.py} >"$OUT/pytest.log" 2>&1
 ts "pytest rc $?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | tail -15
@@ -22,13 +25,23 @@ if [ -n "${VARIANTS:-}" ]; then
     ts "matvec_variants $VARIANTS"
     timeout -k 10 ${VARIANTS_S:-150} python3 bench/gpu/matvec_variants.py --variants "$VARIANTS" 2>&1 | grep -v -i warn | tee "$OUT/variants.log"
 fi
-bash bench/gpu/synth.sh wait 60 smoke
-ts "profile_decode"
-timeout -k 10 ${PROFILE_S:-100} python3 bench/gpu/profile_decode.py -m "$SMOKE" 2>&1 | grep -v -i warn | tee "$OUT/profile.log"
-[ "${BENCH_ARGS:-}" = none ] && { ls -la "$OUT"; exit 0; }
-bash bench/gpu/synth.sh wait 120 uniform
-grep -h 'rc .* after' /tmp/models/*.log | tr '\r' '\n' | tail -3
+if [ "${PROFILE_S:-100}" != 0 ]; then
+    bash bench/gpu/synth.sh wait 60 smoke
+    ts "profile_decode"
+    timeout -k 10 ${PROFILE_S:-100} python3 bench/gpu/profile_decode.py -m "$SMOKE" 2>&1 | grep -v -i warn | tee "$OUT/profile.log"
+fi
+if [ -n "${PROBES:-}" ] || [ "${BENCH_ARGS:-}" != none ]; then
+    bash bench/gpu/synth.sh wait 180 uniform
+    grep -h 'rc .* after' /tmp/models/*.log | tr '\r' '\n' | tail -3
+fi
+for p in ${PROBES:-}; do
+    share=${p%%:*}; envs=""; [ "$p" != "$share" ] && envs=$(echo "${p#*:}" | tr ':' ' ')
+    ts "pool_probe share $share $envs"
+    timeout -k 10 ${PROBE_S:-120} env $envs python3 bench/gpu/pool_probe.py -m "$UNI" --share "$share" 2>&1 | grep -v -i warn | tee -a "$OUT/probe.log"
+done
+[ "${BENCH_ARGS:-}" = none ] && { pack; ls -la "$OUT"; exit 0; }
 t=$(($(left) - 15))
 ts "hybrid_vs_llama.py, deadline $t s"
 python3 bench/hybrid_vs_llama.py -m "$UNI" --deadline-s "$t" ${BENCH_ARGS:---shares 1,0.5,0 --reps 1} 2>&1 | grep -v -i warn | tail -40
+pack
 ls -la "$OUT"
