@@ -174,8 +174,8 @@ def hybrid_lines(eng, res) -> list[str]:
     ms = lambda v: f"{v * 1000 / n:7.2f} ms"  # noqa: E731
     out = [f"token time      GPU (doorbell waits) {ms(h.wait_s)} + GPU (head, sampler) {ms(h.graph_s)} + "
            f"CPU pool {ms(h.cpu_s)} + host {ms(h.host_s)} = {ms(h.wall_s)} per token",
-           f"host time       graph launches {ms(h.launch_s)}, pool glue {ms(h.glue_s)}, thread hand-over "
-           f"{ms(h.handover_s)}, token end {ms(h.end_s)} per token"]
+           f"host time       graph launches {ms(h.launch_s)}, pool glue {ms(h.glue_s)}, engine call "
+           f"{ms(h.call_s)}, token end {ms(h.end_s)} per token"]
     tot = h.hits + h.misses
     if tot:
         gbs = h.miss_bytes / res.expert_s / 1e9 if res.expert_s > 0 else float("nan")

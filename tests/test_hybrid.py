@@ -169,6 +169,43 @@ def test_device_sampler_gives_the_cpu_engines_tokens(model, monkeypatch):
         eng.close()
 
 
+def test_decode_launched_ahead_gives_the_cpu_engines_tokens(model):
+    """With every expert in VRAM a token needs no host work, so decode launches the next token's forward before
+    reading this one's: a run to the length limit launches nothing past it; a stop leaves one forward launched
+    ahead, and what comes next (continuing the same session with the same sampler, or a new prompt) still gives
+    exactly the CPU engine's tokens."""
+    from strata_nb.runtime.generate import generate
+    from strata_nb.runtime.sampler import Sampler
+
+    cfg = SamplerConfig(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, repeat_penalty=1.1, seed=77)
+    cpu = Engine(model, device="cpu", n_ctx=CTX, fast=False)
+    want = cpu.generate(PROMPT, 6, cfg).tokens
+    eng = Engine(model, device="cuda", n_ctx=CTX, fast=False, vram_budget=budget_for(model, 4))
+    try:
+        be = eng.backend
+        assert be.cache.full_layers == set(be.cache.slots)  # no doorbell: one graph a token
+        res = eng.generate(PROMPT, 6, cfg)
+        assert res.tokens == want
+        assert be._ahead == 0  # the hint said the last token was the last
+        # stop on the third token: the fourth is already on its way, then continue the same session (no
+        # repetition penalty: a continuation's history is the device's, not the prompt generate() is given)
+        plain = dataclasses.replace(cfg, repeat_penalty=1.0)
+        stop = {cpu.generate(PROMPT, 6, plain).tokens[2]}
+        runs = []
+        for e in (cpu, eng):
+            session, sampler = e.new_session(), Sampler(plain, eng.spec.n_vocab)
+            first = generate(e.backend, session, PROMPT, 6, sampler, stop).tokens
+            if e is eng:
+                assert be._ahead != 0
+            more = generate(e.backend, session, [first[-1]], 3, sampler, set()).tokens
+            runs.append((first, more, session.pos))
+        assert runs[1] == runs[0]
+        assert len(runs[0][0]) <= 3 and runs[0][0][-1] in stop and len(runs[0][1]) == 3
+        assert eng.generate(PROMPT, 6, cfg).tokens == want  # a new prompt after all that
+    finally:
+        eng.close()
+
+
 def test_vram_cache_slots_hold_their_experts_after_admission_and_swaps(model, reference):
     """Admission on first use and adaptive swaps keep the device table true: every slot the table names holds
     exactly that expert's bytes, and the logits stay those of the CPU engine."""
@@ -193,7 +230,7 @@ def test_vram_cache_slots_hold_their_experts_after_admission_and_swaps(model, re
                         want = cache.src.rows(l, kind, e).reshape(-1)
                         assert (host[s, m.offset:m.offset + m.nbytes] == want).all()
 
-        be._thread.call(check)
+        be._call(check)
         assert cache.stats.admitted > 0
         assert cache.stats.swaps > 0
     finally:
@@ -216,7 +253,7 @@ def test_device_warm_up_changes_no_state(model, reference):
                     be.sampler, be.sampler.step, be._decode)
 
         before = state()
-        be._thread.call(be._warm_up)
+        be._call(be._warm_up)
         after = state()
         for a, b in zip(before, after):
             assert (a == b).all() if isinstance(a, np.ndarray) else a == b

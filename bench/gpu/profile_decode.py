@@ -87,7 +87,7 @@ def main() -> None:
         graph_ms = 1e3 * (time.perf_counter() - t0) / n
         return rows, graph_ms, n_layer
 
-    rows, graph_ms, n_layer = b._thread.call(work)
+    rows, graph_ms, n_layer = b._call(work)
     total = sum(r[2] for r in rows)
     print(f"{len(rows)} launches per token, kernels alone {total / 1e3:.3f} ms, one token replayed from graphs "
           f"{graph_ms:.3f} ms ({n_layer} layers)")

@@ -257,8 +257,8 @@ class CPUBackend:
         count only changes shapes): one token through a scratch backend on a one-position session."""
         self.scratch().forward(Session(self.spec, 1), np.zeros(1, np.int64))
 
-    def sample_next(self, session: Session, tokens, sampler, history) -> int:
-        """Run tokens and draw the next token from the last position's logits."""
+    def sample_next(self, session: Session, tokens, sampler, history, ahead: bool = False) -> int:
+        """Run tokens and draw the next token from the last position's logits (ahead: nothing to start early)."""
         return sampler.sample(self.forward(session, np.asarray(tokens, np.int64))[-1], history)
 
     def forward(self, session: Session, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:

@@ -20,8 +20,9 @@ class Backend(Protocol):
     def forward(self, session: Session, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray: ...
 
     def sample_next(self, session: Session, tokens: Sequence[int], sampler: Sampler,
-                    history: Sequence[int]) -> int:
-        """Run tokens and draw the next token (on the host, or on the device where only the id comes back)."""
+                    history: Sequence[int], ahead: bool = False) -> int:
+        """Run tokens and draw the next token (on the host, or on the device where only the id comes back).
+        ahead: the caller will probably ask for the token after this one (a hint a backend may act on)."""
         ...
 
 
@@ -107,7 +108,7 @@ def generate(backend: Backend, session: Session, prompt: Sequence[int], max_new:
                 break
             tok = sampler.sample(logits[-1], history)
         else:
-            tok = backend.sample_next(session, [tok], sampler, history)
+            tok = backend.sample_next(session, [tok], sampler, history, ahead=len(out) + 1 < max_new)
     decode_s = time.perf_counter() - t1
     res = GenerationResult(tokens=out, stopped_by=stopped, prompt_tokens=len(prompt), prompt_s=prompt_s,
                            decode_s=decode_s, decode_steps=steps, logits=kept)

@@ -9,16 +9,20 @@ expert in VRAM needs no host at all, so with all experts resident a token is two
 
 Decode captures each segment once as a CUDA graph (positions, token ids and sampler state live in device memory,
 so replays need no new arguments) and never allocates; prompts run the same program for T tokens with direct
-launches. All CUDA work happens on the doorbell thread (runtime.doorbell.DeviceThread).
+launches. The thread that calls the engine drives it (it is the doorbell thread: it launches the graphs, spins on
+the doorbell and runs the CPU pool): a hand-over to a dedicated thread and back cost 2.2 ms per token on the GPU
+machine, where a sleeping thread takes up to a millisecond to wake (bench/gpu/pool_probe.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numba
 import numpy as np
 from numba import cuda
 
@@ -35,7 +39,7 @@ from strata_nb.model.spec import ModelSpec
 from strata_nb.model.weights import Linear, ModelWeights
 from strata_nb.runtime.cpu_backend import CPUBackend
 from strata_nb.runtime.cuda_rt import SIM, Graph
-from strata_nb.runtime.doorbell import DeviceThread, Mailbox
+from strata_nb.runtime.doorbell import Mailbox
 from strata_nb.runtime.gpu_sampler import GPUSampler
 from strata_nb.runtime.sampler import Sampler, SamplerConfig
 from strata_nb.runtime.session import Session
@@ -50,7 +54,7 @@ class HybridStats:
     wait_s the doorbell waits (the GPU running a layer up to its publish), graph_s the wait for the last segment
     (head and sampler), cpu_s the CPU expert pool, host_s everything else on the host; of host_s: launch_s the
     graph launches, glue_s the pool's per-layer glue (routing split, counts, admissions, zeroing the sum),
-    handover_s the calls into the device thread and back, end_s the token's end (VRAM cache, sampled id)."""
+    call_s the engine call around the token's step, end_s the token's end (VRAM cache, sampled id)."""
 
     tokens: int = 0
     graph_s: float = 0.0
@@ -59,7 +63,7 @@ class HybridStats:
     host_s: float = 0.0
     launch_s: float = 0.0
     glue_s: float = 0.0
-    handover_s: float = 0.0
+    call_s: float = 0.0
     end_s: float = 0.0
     hits: int = 0  # expert choices computed from VRAM slots
     misses: int = 0  # expert choices computed by the CPU pool
@@ -146,19 +150,30 @@ class GPUBackend:
         self.hybrid = HybridStats(routed=np.zeros((spec.n_layer, max(spec.n_expert, 1)), np.int64))
         self.device_line = ""
         self._warming = False  # a throwaway forward (warm_up): nothing is counted, admitted or adapted
-        self._thread = DeviceThread()
+        self._busy = threading.Lock()
+        self._ctx_thread = -1  # the last thread known to have the engine's CUDA context current
+        self._call(self._load, vram_slots, adapt_every, progress)
+
+    def _call(self, fn: Callable, *args):
+        """Run fn(*args) on the calling thread, with the engine's CUDA context current there; one call at a time
+        (a second thread gets an error, not a wait)."""
+        if not self._busy.acquire(blocking=False):
+            raise StrataError("the GPU engine is running a call from another thread")
         try:
-            self._thread.call(self._load, vram_slots, adapt_every, progress)
-        except BaseException:
-            self._thread.close()
-            raise
+            me = threading.get_ident()
+            if me != self._ctx_thread and not SIM:  # numba's current_context() costs ~1 ms: once per thread
+                cuda.current_context()  # makes the device's primary context current on this thread
+            self._ctx_thread = me
+            return fn(*args)
+        finally:
+            self._busy.release()
 
     @property
     def fast(self) -> bool:
         """int8 activations in the CPU pool (the GPU kernels use float32 activations)."""
         return self.cpu.fast
 
-    # -- loading (device thread) --------------------------------------------------------------------------
+    # -- loading ------------------------------------------------------------------------------------------
     def _load(self, vram_slots, adapt_every, progress) -> None:
         s, w = self.spec, self.weights_for_device()
         self.stream = cuda.stream()
@@ -217,10 +232,17 @@ class GPUBackend:
             self._slot_bytes = {l: lay.slot_bytes for l, lay in self.cache.layouts.items()}
             self._expert_bytes = {l: sum(m.nbytes for m in lay.mats.values())
                                   for l, lay in self.cache.layouts.items()}
+        # while the doorbell thread waits for the GPU, the CPU pool's OpenMP workers are kept from falling asleep
+        self._tick = None
+        if self.cache is not None and len(self._full) < len(self.cache.slots):
+            buf = np.zeros(max(numba.config.NUMBA_NUM_THREADS, 1), np.int64)
+            self._tick = lambda: cops.touch_threads(buf)
         self.sampler = self._gpu_sampler(SamplerConfig(seed=0))
         self._bound_sampler: Sampler | None = None
-        self._dev_pos = 0
+        self._dev_pos = 0  # the device's position after everything launched
         self._seq = 0
+        self._ahead = 0  # sequence number of a decode forward launched ahead of the caller's request (0: none)
+        self._last_token = -1  # the token sample_next returned last (the input the device already holds)
         self._decode: list[_Segment] | None = None  # captured lazily after one direct decode step
         self._decode_logits: list[_Segment] | None = None
         self.stream.synchronize()
@@ -361,11 +383,15 @@ class GPUBackend:
             lrow = self.logits[0]
             cur.append(lambda st: self.sampler.launch(lrow, st))
         cur.append(lambda st: kmb.advance(self.pos, T, st))
-        cur.append(lambda st: kmb.ring(self.counter, self.mb.device["seq"], st))
+        if tail == "sample":  # the token into the mailbox's ring, read by the host by sequence number
+            cur.append(lambda st: kmb.ring(self.counter, self.mb.device["seq"], st, self.sampler.token_host,
+                                           self.mb.device["tokens"]))
+        else:
+            cur.append(lambda st: kmb.ring(self.counter, self.mb.device["seq"], st))
         segs.append(_Segment(cur, None))
         return segs
 
-    # -- running (device thread) --------------------------------------------------------------------------
+    # -- running ------------------------------------------------------------------------------------------
     def _cpu_pool(self, layer: int, T: int, stats: HybridStats | None) -> float:
         """The misses of `layer` for T tokens: read the published routing, compute, write the weighted sum. The
         per-layer glue is one compiled call on plain views of the mailbox (no numpy temporaries)."""
@@ -414,13 +440,13 @@ class GPUBackend:
             launch += time.perf_counter() - t1
             self._seq += 1
             if seg.doorbell is not None:
-                wait += self.mb.wait(self._seq, self.timeout_s, f"the routing of layer {seg.doorbell}")
+                wait += self.mb.wait(self._seq, self.timeout_s, f"the routing of layer {seg.doorbell}", self._tick)
                 t1 = time.perf_counter()
                 dt = self._cpu_pool(seg.doorbell, T, stats)
                 cpu += dt
                 glue += time.perf_counter() - t1 - dt
             else:
-                last += self.mb.wait(self._seq, self.timeout_s, "the end of the forward")
+                last += self.mb.wait(self._seq, self.timeout_s, "the end of the forward", self._tick)
         self._dev_pos += T
         t1 = time.perf_counter()
         if self.cache is not None and not self._warming:
@@ -456,6 +482,7 @@ class GPUBackend:
 
     def _forward(self, pos: int, tokens: np.ndarray, tail: str, all_logits: bool) -> np.ndarray | None:
         T = len(tokens)
+        self._drain()
         self._set_pos(pos)
         out = []
         for c0 in range(0, T, self.ntok_max):
@@ -475,14 +502,55 @@ class GPUBackend:
                 self.stream.synchronize()
         return np.concatenate(out) if out else None
 
-    def _decode_step(self, stats: HybridStats) -> int:
-        self._execute(self._decode_segments("sample"), 1, stats)
+    def _decode_step(self, stats: HybridStats, ahead: bool) -> int:
+        """One decode token (its input is on the device: the token sampled last). Where the token needs no host
+        work (every MoE layer in VRAM: one graph), the graph of the token after it is launched before this
+        one's result is read when `ahead`, so the launch and the host's work between tokens overlap the GPU."""
+        segs = self._decode_segments("sample")
+        if len(segs) > 1 or segs[0].graph is None:
+            self._drain()
+            self._execute(segs, 1, stats)
+            return self._sampled(self._seq)
         t0 = time.perf_counter()
-        tok = self.sampler.result()
-        dt = time.perf_counter() - t0
-        stats.end_s += dt
-        stats.host_s += dt
+        if self._ahead:  # this token's forward was launched by the previous call
+            mine, self._ahead = self._ahead, 0
+        else:
+            mine = self._launch_one(segs[0])
+        if ahead:
+            self._ahead = self._launch_one(segs[0])
+        t1 = time.perf_counter()
+        last = self.mb.wait(mine, self.timeout_s, "the end of the forward")
+        t2 = time.perf_counter()
+        if self.cache is not None and not self._warming:
+            self.cache.end_token(self.stream)
+        stats.tokens += 1
+        stats.graph_s += last
+        stats.launch_s += t1 - t0
+        stats.end_s += time.perf_counter() - t2
+        stats.host_s += time.perf_counter() - t0 - last
+        return self._sampled(mine)
+
+    def _launch_one(self, seg: _Segment) -> int:
+        seg.launch(self.stream)
+        self._seq += 1
+        self._dev_pos += 1
+        return self._seq
+
+    def _sampled(self, seq: int) -> int:
+        """The token sampled by forward seq (from the mailbox's ring)."""
+        tok = self.mb.token(seq)
+        if tok < 0:
+            raise StrataError("logits contain NaN or +inf, or all are -inf")
         return tok
+
+    def _drain(self) -> None:
+        """Finish a forward launched ahead that was not asked for (the caller stopped or changed course). Its KV
+        entry lies past the session's position (overwritten before anything reads it), and the device sampler's
+        step and history are one token ahead: the next sampled forward rebinds the sampler from the host's."""
+        if self._ahead:
+            self.mb.wait(self._ahead, self.timeout_s, "a decode forward launched ahead")
+            self._ahead = 0
+            self._bound_sampler = None
 
     def _gpu_sampler(self, config: SamplerConfig) -> GPUSampler:
         cap = max(self.n_ctx, int(config.repeat_last_n)) + 1
@@ -491,6 +559,7 @@ class GPUBackend:
     def _bind_sampler(self, sampler: Sampler, history: Sequence[int]) -> None:
         """The device sampler takes over the host sampler's chain and seed (a new configuration is a new device
         sampler: the decode graphs that read the old one's token are captured again)."""
+        self._drain()
         cfg = dataclasses.replace(sampler.config, seed=sampler.seed)
         if cfg != self.sampler.config:
             self.sampler = self._gpu_sampler(cfg)
@@ -510,6 +579,7 @@ class GPUBackend:
         self._decode = self._decode_logits = None
 
     def _warm_up(self) -> None:
+        self._drain()
         sampler, pool = self.sampler, self.cpu
         self.sampler = self._gpu_sampler(SamplerConfig(seed=0))
         self.cpu = pool.scratch()
@@ -535,35 +605,39 @@ class GPUBackend:
         if SIM:
             self.cpu.warm_up()
         else:
-            self._thread.call(self._warm_up)
+            self._call(self._warm_up)
 
     def forward(self, session: Session, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:
         tokens = np.asarray(tokens, np.int64)
         session.reserve(len(tokens))
-        logits = self._thread.call(self._forward, session.pos, tokens, "logits", all_logits)
+        logits = self._call(self._forward, session.pos, tokens, "logits", all_logits)
         session.advance([int(t) for t in tokens])
         self.stats.dense_bytes += self._dense_per_token
         return logits
 
-    def sample_next(self, session: Session, tokens: Sequence[int], sampler: Sampler, history: Sequence[int]) -> int:
-        """Run tokens and draw the next token on the device; only its id comes back to the host."""
+    def sample_next(self, session: Session, tokens: Sequence[int], sampler: Sampler, history: Sequence[int],
+                    ahead: bool = False) -> int:
+        """Run tokens and draw the next token on the device; only its id comes back to the host. ahead: the
+        caller will probably ask for the token after this one (then, where a token needs no host work, its
+        forward starts before this call returns)."""
         tokens = np.asarray(tokens, np.int64)
         session.reserve(len(tokens))
         if len(tokens) > 1 or sampler is not self._bound_sampler:
-            self._thread.call(self._bind_sampler, sampler, history)
-            self._thread.call(self._forward, session.pos, tokens, "sample", False)
-            tok = self.sampler.result()
+            self._call(self._bind_sampler, sampler, history)
+            self._call(self._forward, session.pos, tokens, "sample", False)
+            tok = self._sampled(self._seq)
             sampler.step += 1
-        elif session.pos != self._dev_pos or int(tokens[0]) != int(self.sampler.token_host[0]):
+        elif session.pos != self._dev_pos - (self._ahead > 0) or int(tokens[0]) != self._last_token:
             raise StrataError("the GPU sampler continues its own sequence: pass it the token it drew")
         else:
             t0, h0 = time.perf_counter(), self.hybrid.wall_s
-            tok = self._thread.call(self._decode_step, self.hybrid)
+            # the forward launched ahead sits at the session's next position: only within the context
+            tok = self._call(self._decode_step, self.hybrid, ahead and session.pos + 1 < self.n_ctx)
             sampler.step += 1
-            # the hand-over to the device thread and back is host work too: the breakdown adds up to the call
-            dt = time.perf_counter() - t0 - (self.hybrid.wall_s - h0)
+            dt = time.perf_counter() - t0 - (self.hybrid.wall_s - h0)  # so the breakdown adds up to the call
             self.hybrid.host_s += dt
-            self.hybrid.handover_s += dt
+            self.hybrid.call_s += dt
+        self._last_token = tok
         session.advance([int(t) for t in tokens])
         self.stats.dense_bytes += self._dense_per_token
         return tok
@@ -582,11 +656,9 @@ class GPUBackend:
 
     def close(self) -> None:
         def _close():
+            self._drain()
             self._drop_graphs()
             if self.cache is not None:
                 self.cache.close()
 
-        try:
-            self._thread.call(_close)
-        finally:
-            self._thread.close()
+        self._call(_close)
