@@ -2,7 +2,7 @@
 the cache's placement policy (admission on first use into free slots, then every adapt_every tokens
 vram_cache.choose_swaps on decayed counts), against the best static placement of the same slots.
 
-    python bench/cache_replay.py -m MODEL [--layers-x 4] [--shares 0.5,0.25] [--swaps-per-layer 4]
+    python bench/cache_replay.py -m MODEL [--layers-x 4] [--shares 0.5,0.25] [--swaps-per-layer 2]
 
 The trace: a 128-token prompt, then 128 tokens sampled at temperature 0.8 (as bench/hybrid_vs_llama.py runs).
 Copies are taken to finish by the end of the token that scheduled them (admissions) or the next one (swaps: they
@@ -59,8 +59,9 @@ def deepen(fw: list[list[np.ndarray]], n_expert: int, times: int) -> list[list[n
 
 
 def replay(fw: list[list[np.ndarray]], n_expert: int, slots: int, adapt_every: int = 4, decay: float = 0.7,
-           swaps_per_layer: int = 4) -> tuple[float, float, float]:
-    """(hit rate over the decode steps, after the first WARM_TOKENS of them, best static over those)."""
+           swaps_per_layer: int = 2) -> tuple[float, float, float, float]:
+    """(hit rate over the decode steps, after the first WARM_TOKENS of them, best static over those, swaps per
+    decode token after those: each is one expert copied into VRAM)."""
     nl = len(fw[0])
     table = np.full((nl, n_expert), -1, np.int32)
     slot_expert = np.full((nl, slots), -1, np.int64)
@@ -69,6 +70,7 @@ def replay(fw: list[list[np.ndarray]], n_expert: int, slots: int, adapt_every: i
     routed = np.zeros((nl, n_expert), np.int64)
     pending: list[tuple[int, int, int, int]] = []  # (layer, slot, expert, token at whose end it lands)
     hits = np.zeros(2, np.int64)
+    swaps = 0
     total = np.zeros(2, np.int64)
     for tok, f in enumerate(fw):
         step = tok - 1  # forward 0 is the prompt
@@ -100,7 +102,9 @@ def replay(fw: list[list[np.ndarray]], n_expert: int, slots: int, adapt_every: i
                     table[l, slot_expert[l, s]] = -1
                     slot_expert[l, s], loading[l, e] = -2, True
                     pending.append((l, s, e, tok + 1))
-    return hits[0] / total[0], hits[1] / total[1], best_static_hit(routed, [slots] * nl)
+                    swaps += tok > WARM_TOKENS
+    late_steps = max(len(fw) - 1 - WARM_TOKENS, 1)
+    return hits[0] / total[0], hits[1] / total[1], best_static_hit(routed, [slots] * nl), swaps / late_steps
 
 
 def main() -> None:
@@ -108,7 +112,8 @@ def main() -> None:
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("--layers-x", type=int, default=1)
     ap.add_argument("--shares", default="0.5,0.25")
-    ap.add_argument("--swaps-per-layer", default="4")
+    ap.add_argument("--swaps-per-layer", default="2")
+    ap.add_argument("--adapt-every", default="4", help="tokens between adaptation steps (a list)")
     ap.add_argument("--n-prompt", type=int, default=128)
     ap.add_argument("--n-gen", type=int, default=128)
     a = ap.parse_args()
@@ -119,10 +124,12 @@ def main() -> None:
           f"{len(fw) - 1} decode steps; hit rates over the decode steps, after the first {WARM_TOKENS} of them, "
           "and the best static placement of the same slots over those")
     for share in (float(x) for x in a.shares.split(",")):
-        for b in (int(x) for x in a.swaps_per_layer.split(",")):
-            h, hl, best = replay(fw, ne, int(round(share * ne)), swaps_per_layer=b)
-            print(f"share {share:4.2f}, {b:3d} swaps a layer: hit {100 * h:5.1f}%, after warm-up {100 * hl:5.1f}%, "
-                  f"best static {100 * best:5.1f}% -> {100 * hl / best:5.1f}% of it")
+        for every in (int(x) for x in a.adapt_every.split(",")):
+            for b in (int(x) for x in a.swaps_per_layer.split(",")):
+                h, hl, best, sw = replay(fw, ne, int(round(share * ne)), adapt_every=every, swaps_per_layer=b)
+                print(f"share {share:4.2f}, every {every:2d} tokens {b:3d} swaps a layer: hit {100 * h:5.1f}%, after "
+                      f"warm-up {100 * hl:5.1f}%, best static {100 * best:5.1f}% -> {100 * hl / best:5.1f}% of it; "
+                      f"{sw:5.1f} swaps per token")
 
 
 if __name__ == "__main__":

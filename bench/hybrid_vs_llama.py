@@ -103,7 +103,8 @@ def llama_placements(n_layer: int, shares=SHARES) -> dict[float, tuple[list[str]
 
 
 def parse_llama_bench(stdout: str) -> dict:
-    """llama-bench -o json output (a list of tests) -> prompt and decode tok/s and the raw records."""
+    """llama-bench -o json output (a list of tests) -> prompt and decode tok/s and the raw records. Where a test
+    ran under several settings (--repack 0,1), the fastest record of each test counts, and its repack is kept."""
     i, j = stdout.find("["), stdout.rfind("]")
     if i < 0 or j < i:
         raise ValueError("no JSON array in llama-bench output")
@@ -112,10 +113,13 @@ def parse_llama_bench(stdout: str) -> dict:
     tg = [r for r in recs if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0]
     if not pp and not tg:
         raise ValueError(f"llama-bench output has no prompt or generation test ({len(recs)} records)")
+    pp = sorted(pp, key=lambda r: -float(r["avg_ts"]))
+    tg = sorted(tg, key=lambda r: -float(r["avg_ts"]))
     return {"prompt_tps": float(pp[0]["avg_ts"]) if pp else float("nan"),
             "decode_tps": float(tg[0]["avg_ts"]) if tg else float("nan"),
             "n_prompt": int(pp[0]["n_prompt"]) if pp else 0, "n_gen": int(tg[0]["n_gen"]) if tg else 0,
-            "records": recs}
+            "prompt_repack": pp[0].get("repack") if pp else None, "decode_repack": tg[0].get("repack") if tg else None,
+            "decode_all": [(r.get("repack"), float(r["avg_ts"])) for r in tg], "records": recs}
 
 
 def best_static_hit(routed: np.ndarray, slots) -> float:
@@ -327,7 +331,7 @@ def derive(r: dict) -> dict:
         d["expert_bytes_per_token"] = (hb + mb) / steps if steps else float("nan")
         ce = hy.get("cpu_expert_s")  # time in the CPU expert kernels
         d["cpu_expert_gbs"] = mb / ce / 1e9 if ce and ce > 0 and mb else float("nan")
-        for k in ("graph_s", "wait_s", "cpu_s", "host_s", "launch_s", "glue_s", "handover_s", "end_s"):
+        for k in ("graph_s", "wait_s", "cpu_s", "host_s", "launch_s", "glue_s", "call_s", "end_s"):
             d[k.replace("_s", "_ms_per_token")] = 1000 * hy.get(k, float("nan")) / steps if steps else float("nan")
         if hy.get("routed") is not None and hy.get("slots") is not None:
             d["best_static_hit"] = best_static_hit(np.asarray(hy["routed"]), hy["slots"])
@@ -352,7 +356,7 @@ def run_child(args, kind: str, extra: list[str], timeout: float) -> dict:
 def run_llama(args, share: float, placement: list[str], timeout: float) -> dict:
     exe = args.llama_bench
     cmd = [exe, "-m", args.model, "-t", str(args.threads), "-p", str(args.n_prompt), "-n", str(args.n_gen),
-           "-r", "1", "-o", "json", *placement]
+           "-r", "1", "--repack", "0,1", "-o", "json", *placement]
     env = dict(os.environ)
     libdir = str(Path(exe).resolve().parent)
     env["LD_LIBRARY_PATH"] = libdir + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
@@ -455,14 +459,18 @@ def report(meta: dict, runs: list[dict]) -> str:
                          f"{_fmt(d.get('cpu_expert_gbs'))} GB/s, load {_fmt(r.get('load_s'))} s, "
                          f"{r.get('distinct_tokens', '-')} of {r.get('n_tokens', '-')} tokens distinct; host "
                          + " / ".join(_fmt(d.get(k), 2) for k in ("launch_ms_per_token", "glue_ms_per_token",
-                                                                    "handover_ms_per_token", "end_ms_per_token")))
+                                                                    "call_ms_per_token", "end_ms_per_token")))
     ll_all = [r for r in runs if r["arm"] == "llama.cpp"]
     if ll_all:
         rec = ll_all[0]["records"][0]
         lines += ["", f"llama.cpp: llama-bench build {rec.get('build_commit')} ({rec.get('backends')}, "
-                      f"{rec.get('gpu_info')}; flash_attn {rec.get('flash_attn')}, repack {rec.get('repack')}), "
-                      f"-p {ll_all[0]['n_prompt']} -n {ll_all[0]['n_gen']} -r 1 per run, after its own warm-up run; "
-                      "-ncmoe N keeps the experts of the first N layers on the CPU."]
+                      f"{rec.get('gpu_info')}; flash_attn {rec.get('flash_attn')}), "
+                      f"-p {ll_all[0]['n_prompt']} -n {ll_all[0]['n_gen']} -r 1 --repack 0,1 per run, after its own "
+                      "warm-up run; the faster repack of each test counts; -ncmoe N keeps the experts of the first N "
+                      "layers on the CPU. Decode tok/s by repack: " + "; ".join(
+                          f"{100 * r['share']:.0f}% " + ", ".join(f"repack {int(bool(k))} {v:.1f}"
+                                                                  for k, v in sorted(r.get("decode_all", [])))
+                          for r in ll_all) + "."]
     if meta.get("skipped"):
         lines += ["", f"Not run (deadline {meta.get('deadline_s')} s): " + ", ".join(meta["skipped"])]
     if meta.get("errors"):

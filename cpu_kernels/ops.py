@@ -354,3 +354,12 @@ def pool_split(ids, slot, masked, experts, counts, missed, tally_a, tally_b):
             missed[m] = e
             m += 1
     return g, m, hits, ntok * k - hits
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def touch_threads(buf):
+    """An (almost) empty parallel region, one item per thread (buf i64[threads]): OpenMP's workers spin for
+    GOMP_SPINCOUNT after a region, then sleep, and a sleeping worker took up to a millisecond to wake on the GPU
+    machine; the hybrid engine runs this while it waits for the GPU, so the CPU pool's next region finds them awake."""
+    for i in prange(buf.shape[0]):
+        buf[i] = i

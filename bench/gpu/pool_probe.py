@@ -5,9 +5,11 @@
 Loads the model with the VRAM share of the expert slots that bench/hybrid_vs_llama.py gives (the same budget),
 warms up, generates, and records every pool call of the decode tokens: the misses it computed, its wall time,
 the time inside the compiled expert kernel, and the process's minor page faults during it. Prints the medians
-per number of missed choices: a cost that does not grow with the misses is a fixed cost per layer (thread
-wake-ups, glue), one that grows with the faults is first touches of expert pages. Run it under different
-GOMP_SPINCOUNT / OMP_WAIT_POLICY settings to compare (they are read when the OpenMP runtime starts).
+(and the pool's mean and 99th percentile: a heavy tail) per number of missed choices: a cost that does not grow
+with the misses is a fixed cost per layer (thread wake-ups, glue), one that grows with the faults is first touches
+of expert pages. Run it under different
+GOMP_SPINCOUNT / OMP_WAIT_POLICY settings to compare (they are read when the OpenMP runtime starts); PROBE_THREADS
+sets --threads from the environment (call_dev.sh's PROBES pass settings that way).
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def main() -> None:
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("--share", type=float, default=0.5)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("PROBE_THREADS", 15)))
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (and the warm-up's)")
     a = ap.parse_args()
     n_ctx = a.prompt + a.tokens + 8
@@ -85,17 +87,18 @@ def main() -> None:
     print(f"share {a.share}, {a.threads} threads, env {env}")
     print(f"decode {res.decode_tps:.1f} tok/s over {res.decode_steps} tokens; per token ms: graph {1e3 * h.graph_s / n:.2f}"
           f" wait {1e3 * h.wait_s / n:.2f} cpu {1e3 * h.cpu_s / n:.2f} host {1e3 * h.host_s / n:.2f} (launch "
-          f"{1e3 * h.launch_s / n:.2f} glue {1e3 * h.glue_s / n:.2f} handover {1e3 * h.handover_s / n:.2f} end "
+          f"{1e3 * h.launch_s / n:.2f} glue {1e3 * h.glue_s / n:.2f} call {1e3 * h.call_s / n:.2f} end "
           f"{1e3 * h.end_s / n:.2f}); minor faults {(_minflt() - f0) / n:.0f} per token (prompt included); "
           f"wall {wall:.2f} s")
     by = defaultdict(list)
     for c in calls:
         by[c[0]].append(c)
-    print("misses  calls  pool us (median)  kernel us (median)  outside kernel us  faults/call (mean)")
+    print("misses  calls  pool us: median   mean    p99  kernel us: median   mean  outside kernel us (median)  faults/call")
     for nm in sorted(by):
         c = np.array([x[1:] for x in by[nm]], np.float64)
-        print(f"{nm:6d} {len(c):6d} {1e6 * np.median(c[:, 0]):17.1f} {1e6 * np.median(c[:, 1]):19.1f} "
-              f"{1e6 * np.median(c[:, 0] - c[:, 1]):18.1f} {np.mean(c[:, 2]):19.1f}")
+        print(f"{nm:6d} {len(c):6d} {1e6 * np.median(c[:, 0]):15.1f} {1e6 * c[:, 0].mean():6.1f} "
+              f"{1e6 * np.percentile(c[:, 0], 99):6.1f} {1e6 * np.median(c[:, 1]):17.1f} {1e6 * c[:, 1].mean():6.1f} "
+              f"{1e6 * np.median(c[:, 0] - c[:, 1]):27.1f} {np.mean(c[:, 2]):12.1f}")
     eng.close()
 
 

@@ -9,7 +9,9 @@ Placement: filled hottest-first from a routing profile when one is given (or com
 else admitted on first use into free slots; then adapted every few tokens by decayed routing counts (the most-routed
 missing experts replace the least-routed residents). The copies run on their own stream from a copier thread, off
 the token's critical path: a swap first takes the old expert out of the table, the copy waits on the device for that
-change, and the new expert enters the table at the first token boundary after its copy has finished.
+change, and the new expert enters the table at the first token boundary after its copy has finished. Each copy goes
+through pinned staging buffers (the expert's matrices gathered there by numpy, which releases the GIL): a copy from
+the pageable memory map would be staged by the driver synchronously, holding up the doorbell thread's CUDA calls.
 """
 from __future__ import annotations
 
@@ -85,6 +87,29 @@ class CacheStats:
     copied_bytes: int = 0
 
 
+class _Staging:
+    """A ring of pinned host buffers for host-to-device copies, each reused once its last copy has finished."""
+
+    def __init__(self, n: int, nbytes: int, timeout_s: float):
+        self.bufs = [cuda.pinned_array(max(nbytes, 1), np.uint8) for _ in range(n)]
+        self.events: list = [None] * n
+        self.turn = 0
+        self.timeout_s = timeout_s
+
+    def copy(self, dst, fill: Callable[[np.ndarray], None], nbytes: int, stream) -> None:
+        """fill(host buffer) writes nbytes, which are then copied to the device array dst on stream."""
+        i = self.turn
+        self.turn = (i + 1) % len(self.bufs)
+        if self.events[i] is not None:
+            _wait_event(self.events[i], self.timeout_s, "a copy into VRAM")
+        host = self.bufs[i][:nbytes]
+        fill(host)
+        dst.copy_to_device(host, stream=stream)
+        ev = cuda.event()
+        ev.record(stream)
+        self.events[i] = ev
+
+
 def _wait_event(ev, timeout_s: float, what: str) -> None:
     deadline = time.perf_counter() + timeout_s
     while not event_done(ev):
@@ -96,11 +121,11 @@ def _wait_event(ev, timeout_s: float, what: str) -> None:
 class VRAMCache:
     """Expert slots per MoE layer in device memory, and the policy that fills and adapts them.
 
-    slots: {layer: number of slots} (0 allowed). Create and use it on the engine's device thread.
+    slots: {layer: number of slots} (0 allowed). Create and use it on the thread that drives the engine.
     """
 
     def __init__(self, src: ExpertSource, n_layer: int, n_expert: int, slots: dict[int, int],
-                 profile: RoutingProfile | None = None, *, adapt_every: int = 4, swaps_per_layer: int = 4,
+                 profile: RoutingProfile | None = None, *, adapt_every: int = 4, swaps_per_layer: int = 2,
                  decay: float = 0.7, timeout_s: float = 60.0):
         self.src = src
         self.n_expert = n_expert
@@ -122,6 +147,9 @@ class VRAMCache:
         self._staging_ev = [None] * 4
         self._turn = 0
         self._copy_stream = cuda.stream()
+        biggest = max((lay.slot_bytes for lay in self.layouts.values()), default=0)
+        self._fill_staging = _Staging(2, biggest, timeout_s)  # the load's copies
+        self._swap_staging = _Staging(2, biggest, timeout_s)  # the copier thread's
         self._jobs: queue.Queue = queue.Queue()
         self._finished: list[tuple[int, int, int, object]] = []
         self._lock = threading.Lock()
@@ -143,12 +171,16 @@ class VRAMCache:
         return np.flatnonzero(self.host_table[layer] >= 0)
 
     # -- copies ---------------------------------------------------------------------------------------------
-    def _copy_expert(self, layer: int, slot: int, expert: int, stream) -> None:
-        row = self.bufs[layer][slot]
-        for k, m in self.layouts[layer].mats.items():
-            o = int(self.src.matrix(layer, k).offsets[expert])
-            row[m.offset:m.offset + m.nbytes].copy_to_device(self.src.buf[o:o + m.nbytes], stream=stream)
-        self.stats.copied_bytes += self.layouts[layer].slot_bytes
+    def _copy_expert(self, layer: int, slot: int, expert: int, stream, staging: _Staging) -> None:
+        lay = self.layouts[layer]
+
+        def gather(host: np.ndarray) -> None:  # the expert's matrices at their offsets in the slot
+            for k, m in lay.mats.items():
+                o = int(self.src.matrix(layer, k).offsets[expert])
+                host[m.offset:m.offset + m.nbytes] = self.src.buf[o:o + m.nbytes]
+
+        staging.copy(self.bufs[layer][slot], gather, lay.slot_bytes, stream)
+        self.stats.copied_bytes += lay.slot_bytes
 
     def _copy_loop(self) -> None:
         cuda.current_context()  # this thread's CUDA calls need the engine's (primary) context current
@@ -160,7 +192,7 @@ class VRAMCache:
             try:
                 if after is not None:
                     stream_wait(self._copy_stream, after)
-                self._copy_expert(layer, slot, expert, self._copy_stream)
+                self._copy_expert(layer, slot, expert, self._copy_stream, self._swap_staging)
                 ev = cuda.event()
                 ev.record(self._copy_stream)
                 with self._lock:
@@ -203,7 +235,7 @@ class VRAMCache:
         done = 0
         for l, experts in order.items():
             for s, e in enumerate(experts):
-                self._copy_expert(l, s, int(e), stream)
+                self._copy_expert(l, s, int(e), stream, self._fill_staging)
                 self.host_table[l, e] = s
                 self.slot_expert[l][s] = e
                 done += 1
@@ -236,9 +268,11 @@ class VRAMCache:
         if self._error is not None:
             raise StrataError(f"copying an expert into VRAM failed: {self._error}")
         changed = False
+        done, pending = [], []
         with self._lock:
-            done = [f for f in self._finished if event_done(f[3])]
-            self._finished = [f for f in self._finished if not event_done(f[3])]
+            for f in self._finished:  # one event query each
+                (done if event_done(f[3]) else pending).append(f)
+            self._finished = pending
         for l, s, e, _ in done:
             self.host_table[l, e] = s
             self.slot_expert[l][s] = e
@@ -249,7 +283,9 @@ class VRAMCache:
         if self.adapt_every > 0 and self._tokens % self.adapt_every == 0:
             self.counts *= self.decay
             # A budget per layer: one shared by all layers went to the first ones (a 48-layer replay of a
-            # recorded routing reached 82% of the best static placement with 32 swaps shared, 92% with 4 a layer)
+            # recorded routing reached 82% of the best static placement with 32 swaps shared, 92% with 4 a layer).
+            # 2 a layer: each swap is an expert gathered on the CPU and sent over PCIe while the pool works, and
+            # bench/cache_replay.py gave up 1-2% of the best static placement for a third fewer swaps than 4.
             for l, slots in self.slot_expert.items():
                 if 0 < len(slots) < self.n_expert:
                     for s, e in choose_swaps(slots, self.host_table[l], self.loading[l], self.counts[l],
