@@ -10,8 +10,8 @@ expert in VRAM needs no host at all, so with all experts resident a token is two
 Decode captures each segment once as a CUDA graph (positions, token ids and sampler state live in device memory,
 so replays need no new arguments) and never allocates; prompts run the same program for T tokens with direct
 launches. The thread that calls the engine drives it (it is the doorbell thread: it launches the graphs, spins on
-the doorbell and runs the CPU pool): a hand-over to a dedicated thread and back cost 2.2 ms per token on the GPU
-machine, where a sleeping thread takes up to a millisecond to wake (bench/gpu/pool_probe.py).
+the doorbell and runs the CPU pool): the engine call measured 2.2 ms per token on the GPU machine with a hand-over
+to a dedicated thread and back, 0.7-1.3 ms without (bench/results/gpu_pool_probe.md, hybrid_q30-Q4_K_M.md).
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ class GPUBackend:
             raise StrataError("the GPU engine is running a call from another thread")
         try:
             me = threading.get_ident()
-            if me != self._ctx_thread and not SIM:  # numba's current_context() costs ~1 ms: once per thread
+            if me != self._ctx_thread and not SIM:  # once per thread, not per call
                 cuda.current_context()  # makes the device's primary context current on this thread
             self._ctx_thread = me
             return fn(*args)
