@@ -359,7 +359,8 @@ def pool_split(ids, slot, masked, experts, counts, missed, tally_a, tally_b):
 @njit(cache=True, parallel=True, nogil=True)
 def touch_threads(buf):
     """An (almost) empty parallel region, one item per thread (buf i64[threads]): OpenMP's workers spin for
-    GOMP_SPINCOUNT after a region, then sleep, and a sleeping worker took up to a millisecond to wake on the GPU
-    machine; the hybrid engine runs this while it waits for the GPU, so the CPU pool's next region finds them awake."""
+    GOMP_SPINCOUNT after a region, then sleep. The hybrid engine runs this while it waits for the GPU, so the CPU
+    pool's next region finds them awake (on the GPU machine a longer spin, GOMP_SPINCOUNT=3e7, took the pool from
+    7.7 to 6.4 ms per token at 50%: bench/results/gpu_pool_probe.md)."""
     for i in prange(buf.shape[0]):
         buf[i] = i

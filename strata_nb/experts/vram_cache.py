@@ -10,8 +10,8 @@ else admitted on first use into free slots; then adapted every few tokens by dec
 missing experts replace the least-routed residents). The copies run on their own stream from a copier thread, off
 the token's critical path: a swap first takes the old expert out of the table, the copy waits on the device for that
 change, and the new expert enters the table at the first token boundary after its copy has finished. Each copy goes
-through pinned staging buffers (the expert's matrices gathered there by numpy, which releases the GIL): a copy from
-the pageable memory map would be staged by the driver synchronously, holding up the doorbell thread's CUDA calls.
+through pinned staging buffers (the expert's matrices gathered there by numpy, which releases the GIL): the driver
+stages a copy from the pageable memory map synchronously, on the calling thread.
 """
 from __future__ import annotations
 
