@@ -20,11 +20,16 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from strata_nb.cpu_kernels.qtypes import FLOAT_TYPES
-from strata_nb.cpu_kernels.ops import moe_combine, swiglu_quant_row
+from strata_nb.cpu_kernels import actq
+from strata_nb.cpu_kernels.ops import (PLAN_DONE, PLAN_EXPERT, PLAN_IDENT, PLAN_START, PLAN_SLOT, PLAN_TOK,
+                                       combine_cols, moe_split, swiglu_quant_row)
+from strata_nb.cpu_kernels.qtypes import FLOAT_TYPES, QUANT_INFO
 from strata_nb.cpu_kernels.rowdot import dequant_row, dot_f32, dot_q8_multi, dot_q8_rows
 
 ROWS_PER_TASK = 16
+# Rows per task of the MoE kernel: numba hands each thread an equal run of tasks, so smaller tasks spread one
+# decode expert (gate+up 2 x 768 rows, down 2048 rows) over 15 threads within a few percent of even.
+MOE_ROWS = 8
 
 
 @intrinsic
@@ -80,6 +85,20 @@ def _mat_at(typingctx, addr, rows, row_bytes):
         return dst._getvalue()
 
     return matty(addr, rows, row_bytes), codegen
+
+
+@intrinsic
+def _fetch_add(typingctx, arr, i, v):
+    """arr[i] += v atomically (sequentially consistent: what other threads wrote before their add is seen by the
+    thread that reads the total); returns the value before the add. arr: a contiguous i64 array."""
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        idx = context.cast(builder, args[1], sig.args[1], types.intp)
+        val = context.cast(builder, args[2], sig.args[2], types.int64)
+        ptr = builder.gep(a.data, [idx])
+        return builder.atomic_rmw("add", ptr, val, "seq_cst")
+
+    return types.int64(arr, i, v), codegen
 
 
 def specialize(make):
@@ -212,46 +231,99 @@ def moe_matmul(fast, qtype, ptrs, nrows, row_bytes, ent_lo, ent_hi, tok_idx, x, 
 
 
 def _make_moe_ffn(FAST, QG, QU, QD):
+    """The routed-expert FFN of a MoE layer whose gate, up and down matrices are of types QG, QU, QD (FAST: int8
+    activations), in one call per wave of experts:
+
+    split      first split the routing ids/slot of tokens 0..ntok-1 into `plan` and count it into row `layer` of
+               the tallies (ops.moe_split); nw < 0 then means every group, combine < 0 every group. A layer whose
+               experts all lie in RAM at fixed places is one call; a split alone (nw = 0) hands a tiered store the
+               experts to bring in waves. Without split, plan holds an earlier split.
+    table      i64[3, n_expert]: the addresses of each expert's gate, up and down matrices (read for this wave's
+               experts), in buffers the caller keeps alive and has bounds-checked (experts.store does both)
+    groups     i64[>= nw]: the wave, as indices of the plan's groups
+    quant      first quantize x's rows 0..ntok-1 into xq/xd/xs (gate's group) and uq/ud/us (up's, if another)
+    ghu        f32[3, >= N, ff] the entries' gate, up and h rows; hq/hd/hs h's int8 form (down's group); y f32[>= N,
+               hidden] the down outputs (N entries in all)
+    combine    > 0: the last wave: out[t] = the weighted sum (wts) of token t's entries of groups 0..combine-1,
+               for t < ntok, in entry order (bit-identical whichever waves computed them)
+    Returns (G, hits) of the split (without one: (nw, 0)).
+    """
     Q8G = FAST and not _is_float(QG)
     Q8U = FAST and not _is_float(QU)
     Q8D = FAST and not _is_float(QD)
     SAME = QG == QU
+    QUANT_U = Q8U and not (Q8G and actq.group(QG) == actq.group(QU))  # up needs int8 x of a group of its own
     QUANT_H = Q8D  # the down projection reads h as int8
+    (_, GE, GB), (_, UE, UB), (_, DE, DB) = (QUANT_INFO[q] for q in (QG, QU, QD))  # elements, bytes per block
 
     @njit(cache=True, parallel=True, nogil=True)
-    def moe_ffn_spec(gate, up, down, ff, gate_rb, up_rb, hidden, down_rb, ent_lo, ent_hi, entry_tok, ident,
-                     x, xq, xd, xs, uq, ud, us, g, u, h, hq, hd, hs, y, combine, wts, entry_slot, out):
-        ngrp = gate.shape[0]
-        # gate and up of every expert of the wave: one parallel region over all their row blocks
-        nblk = (ff + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-        for task in prange(ngrp * 2 * nblk):
-            gi = task // (2 * nblk)
-            rem = task - gi * 2 * nblk
+    def moe_ffn_spec(split, ids, slot, ntok, layer, tally_a, tally_b, tally_c, plan, table, groups, nw, quant, x, xq,
+                     xd, xs, uq, ud, us, ghu, hq, hd, hs, y, combine, wts, out):
+        if split:
+            ngrp, hits = moe_split(ids, slot, ntok, layer, plan, tally_a, tally_b, tally_c)
+            if ngrp == 0:  # no combine follows
+                for t in range(ntok):
+                    for i in range(out.shape[1]):
+                        out[t, i] = 0.0
+                return ngrp, hits
+            if nw < 0:
+                nw = ngrp
+                groups = plan[PLAN_IDENT]
+            if combine < 0:
+                combine = ngrp
+        else:
+            ngrp, hits = nw, 0
+        if nw == 0:
+            return ngrp, hits
+        ff, hidden = ghu.shape[2], y.shape[1]
+        gate_rb, up_rb, down_rb = hidden // GE * GB, hidden // UE * UB, ff // DE * DB
+        experts, start, etok, eslot = plan[PLAN_EXPERT], plan[PLAN_START], plan[PLAN_TOK], plan[PLAN_SLOT]
+        ident, done = plan[PLAN_IDENT], plan[PLAN_DONE]
+        g, u, h = ghu[0], ghu[1], ghu[2]
+        if quant:
+            if Q8G:
+                actq.quantize_rows(x[:ntok], xq[:ntok], xd[:ntok], xs[:ntok])
+            if QUANT_U:
+                actq.quantize_rows(x[:ntok], uq[:ntok], ud[:ntok], us[:ntok])
+        for i in range(nw):
+            done[groups[i]] = 0
+        # gate and up of every expert of the wave: one parallel region over all their row blocks. The task that
+        # completes a group's rows (counted atomically) computes h = silu(g) * u for its entries, quantized for
+        # the down projection: no region of its own.
+        nblk = (ff + MOE_ROWS - 1) // MOE_ROWS
+        for task in prange(nw * 2 * nblk):
+            i = task // (2 * nblk)
+            gi = groups[i]
+            e = experts[gi]
+            rem = task - i * 2 * nblk
             which = rem // nblk
-            r0 = (rem - which * nblk) * ROWS_PER_TASK
-            r1 = min(ff, r0 + ROWS_PER_TASK)
-            j0, j1 = ent_lo[gi], ent_hi[gi]
+            r0 = (rem - which * nblk) * MOE_ROWS
+            r1 = min(ff, r0 + MOE_ROWS)
+            j0, j1 = start[gi], start[gi + 1]
             if SAME:
-                w = _mat_at(gate[gi] if which == 0 else up[gi], ff, gate_rb)
-                _task(Q8G, QG, w, x, xq, xd, xs, g if which == 0 else u, r0, r1, entry_tok, j0, j1)
+                w = _mat_at(table[which, e], ff, gate_rb)
+                _task(Q8G, QG, w, x, xq, xd, xs, g if which == 0 else u, r0, r1, etok, j0, j1)
             elif which == 0:
-                _task(Q8G, QG, _mat_at(gate[gi], ff, gate_rb), x, xq, xd, xs, g, r0, r1, entry_tok, j0, j1)
+                _task(Q8G, QG, _mat_at(table[0, e], ff, gate_rb), x, xq, xd, xs, g, r0, r1, etok, j0, j1)
             else:
-                _task(Q8U, QU, _mat_at(up[gi], ff, up_rb), x, uq, ud, us, u, r0, r1, entry_tok, j0, j1)
-        # h = silu(g) * u per entry of the wave, quantized for the down projection
-        for gi in prange(ngrp):
-            for j in range(ent_lo[gi], ent_hi[gi]):
-                swiglu_quant_row(_row(g, j), _row(u, j), _row(h, j), _row(hq, j), _row(hd, j), _row(hs, j),
-                                 QUANT_H)
-        # down: y[entry] = Down . h[entry]
-        nblk = (hidden + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-        for task in prange(ngrp * nblk):
-            gi = task // nblk
-            r0 = (task - gi * nblk) * ROWS_PER_TASK
-            _task(Q8D, QD, _mat_at(down[gi], hidden, down_rb), h, hq, hd, hs, y, r0, min(hidden, r0 + ROWS_PER_TASK),
-                  ident, ent_lo[gi], ent_hi[gi])
-        if combine:
-            moe_combine(y[:entry_tok.shape[0]], wts, entry_tok, entry_slot, out)
+                _task(Q8U, QU, _mat_at(table[1, e], ff, up_rb), x, uq, ud, us, u, r0, r1, etok, j0, j1)
+            if _fetch_add(done, gi, r1 - r0) + (r1 - r0) == 2 * ff:
+                for j in range(j0, j1):
+                    swiglu_quant_row(_row(g, j), _row(u, j), _row(h, j), _row(hq, j), _row(hd, j), _row(hs, j),
+                                     QUANT_H)
+        # down, y[entry] = Down . h[entry], over row blocks of all the wave's experts; in the last wave each
+        # block then sums its columns of every entry into out (no combine region: blocks own their columns)
+        nblk = (hidden + MOE_ROWS - 1) // MOE_ROWS
+        for blk in prange(nblk):
+            r0 = blk * MOE_ROWS
+            r1 = min(hidden, r0 + MOE_ROWS)
+            for i in range(nw):
+                gi = groups[i]
+                _task(Q8D, QD, _mat_at(table[2, experts[gi]], hidden, down_rb), h, hq, hd, hs, y, r0, r1, ident,
+                      start[gi], start[gi + 1])
+            if combine > 0:
+                combine_cols(y, wts, etok, eslot, start[combine], ntok, out, r0, r1)
+        return ngrp, hits
 
     return moe_ffn_spec
 

@@ -198,70 +198,106 @@ def route_softmax_topk(logits, k, renorm, scale, ids, weights):
             weights[t, j] *= scale
 
 
-@njit(cache=True)
-def group_by_expert(ids, n_expert):
-    """Group the (token, slot) choices of ids i64[T, k] by expert (counting sort, experts ascending).
+# Rows of the routing plan moe_split writes for the routed-expert kernel (one i64 buffer: one kernel argument).
+PLAN_EXPERT, PLAN_START, PLAN_TOK, PLAN_SLOT, PLAN_IDENT, PLAN_DONE, PLAN_NALL, PLAN_NCPU = range(8)
+PLAN_ROWS = 8
 
-    A negative id is a choice served elsewhere (the hybrid engine's VRAM hits) and joins no group.
-    Returns experts i64[G] (the distinct experts), grp_start i64[G+1] (group g owns entries
-    grp_start[g]:grp_start[g+1]), entry_tok i64[N] and entry_slot i64[N] (N = the non-negative choices; tokens
-    ascending in a group).
+
+def plan_buffer(n_expert: int, n_entries: int) -> np.ndarray:
+    """A routing plan for up to n_entries choices among n_expert experts, its identity row filled."""
+    plan = np.zeros((PLAN_ROWS, max(n_expert + 1, n_entries)), np.int64)
+    plan[PLAN_IDENT] = np.arange(plan.shape[1])
+    return plan
+
+
+@njit(cache=True, nogil=True)
+def moe_split(ids, slot, ntok, layer, plan, tally_a, tally_b, tally_c):
+    """One MoE layer's routing as the routed-expert kernel takes it, and its counts, in one call (no numpy
+    temporaries: a decode token's MoE glue is per-call costs).
+
+    ids i32[>= ntok, k]   the expert choices of tokens 0..ntok-1 (a negative id: no choice)
+    slot i32[>= ntok, k]  >= 0: another device computes that choice (the hybrid engine's VRAM hits); < 0: here
+    plan i64[PLAN_ROWS, >= max(n_expert + 1, ntok * k)] (plan_buffer) gets the choices computed here grouped by
+                          expert (counting sort, experts ascending): group g is expert plan[PLAN_EXPERT, g] and
+                          owns entries plan[PLAN_START, g]:plan[PLAN_START, g + 1] of plan[PLAN_TOK] (the token)
+                          and plan[PLAN_SLOT] (its choice), tokens ascending in a group
+    tally_a, tally_b, tally_c [n_layer, n_expert] (any number types): row `layer` of each gets every expert's count
+                          of choices (those computed elsewhere included), added once per expert
+    returns (G, hits): the number of groups (the distinct experts computed here), the choices computed elsewhere
     """
-    ntok, k = ids.shape
-    counts = np.zeros(n_expert, np.int64)
-    for t in range(ntok):
-        for j in range(k):
-            if ids[t, j] >= 0:
-                counts[ids[t, j]] += 1
-    ngrp = 0
-    for e in range(n_expert):
-        if counts[e]:
-            ngrp += 1
-    experts = np.empty(ngrp, np.int64)
-    grp_start = np.empty(ngrp + 1, np.int64)
-    nxt = np.empty(n_expert, np.int64)
-    g = 0
-    acc = 0
-    for e in range(n_expert):
-        if counts[e]:
-            experts[g] = e
-            grp_start[g] = acc
-            nxt[e] = acc
-            acc += counts[e]
-            g += 1
-    grp_start[ngrp] = acc
-    entry_tok = np.empty(acc, np.int64)
-    entry_slot = np.empty(acc, np.int64)
+    k = ids.shape[1]
+    ne = tally_a.shape[1]
+    nall = plan[PLAN_NALL]
+    nxt = plan[PLAN_NCPU]
+    for e in range(ne):
+        nall[e] = 0
+        nxt[e] = 0
+    hits = 0
     for t in range(ntok):
         for j in range(k):
             e = ids[t, j]
             if e < 0:
                 continue
+            nall[e] += 1
+            if slot[t, j] >= 0:
+                hits += 1
+            else:
+                nxt[e] += 1
+    experts = plan[PLAN_EXPERT]
+    start = plan[PLAN_START]
+    g = 0
+    acc = 0
+    for e in range(ne):
+        c = nall[e]
+        if c:
+            tally_a[layer, e] += c
+            tally_b[layer, e] += c
+            tally_c[layer, e] += c
+        c = nxt[e]
+        if c:
+            experts[g] = e
+            start[g] = acc
+            nxt[e] = acc
+            acc += c
+            g += 1
+    start[g] = acc
+    etok = plan[PLAN_TOK]
+    eslot = plan[PLAN_SLOT]
+    for t in range(ntok):
+        for j in range(k):
+            e = ids[t, j]
+            if e < 0 or slot[t, j] >= 0:
+                continue
             p = nxt[e]
-            entry_tok[p] = t
-            entry_slot[p] = j
+            etok[p] = t
+            eslot[p] = j
             nxt[e] = p + 1
-    return experts, grp_start, entry_tok, entry_slot
+    return g, hits
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True)
+def combine_cols(y, wts, entry_tok, entry_slot, n, ntok, out, c0, c1):
+    """out[t, c0:c1] = the sum of wts[t, slot] * y[entry, c0:c1] over the first n entries that are token t's (in
+    entry order: deterministic), for tokens 0..ntok-1. Not inlined: one compiled sum, so every caller rounds alike
+    (fastmath fuses the multiply-add) whatever its own flags. 2-D indexing: a row view costs a reference count
+    on the array's owner per entry, shared by every thread."""
+    for t in range(ntok):
+        for i in range(c0, c1):
+            out[t, i] = 0.0
+    for j in range(n):
+        t = entry_tok[j]
+        w = wts[t, entry_slot[j]]
+        for i in range(c0, c1):
+            out[t, i] += w * y[j, i]
+
+
+@njit(cache=True, parallel=True)
 def moe_combine(y, wts, entry_tok, entry_slot, out):
-    """out[t] += sum of wts[t, slot] * y[entry] over the entries of token t (in entry order: deterministic).
-
-    Parallel over column chunks so no two threads write the same element; the inner loop on 1-D row views (2-D
-    indexing per element kept it scalar: 30 us for a decode token's eight 2048-wide rows).
-    """
+    """out[t] = the weighted sum of token t's entries of y f32[N, D] (combine_cols over column chunks in
+    parallel): what the routed-expert kernel does inside its down projection, and its reference in the tests."""
     n, d = y.shape
-    nchunk = (d + 255) // 256
-    for c in prange(nchunk):
-        c0, c1 = c * 256, min(d, (c + 1) * 256)
-        for j in range(n):
-            t = entry_tok[j]
-            w = wts[t, entry_slot[j]]
-            o = out[t, c0:c1]
-            yj = y[j, c0:c1]
-            for i in range(c1 - c0):
-                o[i] += w * yj[i]
+    for c in prange((d + 255) // 256):
+        combine_cols(y, wts, entry_tok, entry_slot, n, out.shape[0], out, c * 256, min(d, (c + 1) * 256))
 
 
 QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_FULL = 0, 1, 2
@@ -307,53 +343,6 @@ def swiglu_quant(g, u, h, hq, hd, hs):
     """h = silu(g) * u, and h quantized to int8 (actq layout) for the down projection, in one call."""
     silu_mul(g, u, h)
     quantize_rows(h, hq, hd, hs)
-
-
-@njit(cache=True, nogil=True)
-def pool_split(ids, slot, masked, experts, counts, missed, tally_a, tally_b):
-    """The hybrid engine's CPU expert pool, one layer's routing in one call (no numpy temporaries).
-
-    ids i32[T, k]     the layer's expert choices, as the GPU published them
-    slot i32[T, k]    >= 0: a VRAM slot serves that choice (a hit); < 0: the CPU computes it (a miss)
-    writes
-    masked [T, k]     ids with the hits as -1 (any integer dtype): what CPUBackend.routed_experts takes
-    experts, counts   i64[n_expert] buffers: experts[:G] the distinct experts of all choices (hits included),
-                      ascending, counts[:G] how many choices each got (profile, cache placement, stats)
-    missed            i64[n_expert] buffer: missed[:M] the distinct experts with at least one miss, ascending
-    tally_a, tally_b  [n_expert] arrays (any number type) that each get every expert's count of choices added:
-                      the VRAM cache's and the stats' rows of this layer (a scratch row where one is not kept)
-    returns (G, M, hits, misses)
-    """
-    ntok, k = ids.shape
-    ne = counts.shape[0]
-    for e in range(ne):
-        counts[e] = 0
-        missed[e] = 0
-    hits = 0
-    for t in range(ntok):
-        for j in range(k):
-            e = ids[t, j]
-            counts[e] += 1
-            if slot[t, j] >= 0:
-                masked[t, j] = -1
-                hits += 1
-            else:
-                masked[t, j] = e
-                missed[e] = 1
-    g = 0
-    m = 0
-    for e in range(ne):  # compact in place: the write index never passes the read index
-        c = counts[e]
-        if c:
-            experts[g] = e
-            counts[g] = c
-            g += 1
-            tally_a[e] += c
-            tally_b[e] += c
-        if missed[e]:
-            missed[m] = e
-            m += 1
-    return g, m, hits, ntok * k - hits
 
 
 @njit(cache=True, parallel=True, nogil=True)

@@ -130,20 +130,22 @@ def test_fast_cpu_pool_is_the_cpu_engines_int8_path(model, monkeypatch):
     try:
         eng.warm_up()  # on a GPU its throwaway forwards pass through the pool too (computing every choice)
         seen.clear()
-        eng.generate(PROMPT, 2, SamplerConfig(temperature=0.0))
+        # the prompt's misses are admitted into the free slots by copies that finish asynchronously: later
+        # tokens find them there (how many depends on the copy thread's timing)
+        eng.generate(PROMPT, 4, SamplerConfig(temperature=0.0))
         fast = CPUBackend(eng.spec, eng.weights, eng.store, fast=True)
         slow = CPUBackend(eng.spec, eng.weights, eng.store, fast=False)
     finally:
         eng.close()
-    assert len(seen) == 2 * 2  # 2 forwards (prompt, one decode) x 2 MoE layers
+    assert len(seen) == 4 * 2  # 4 forwards (prompt, 3 decode steps) x 2 MoE layers
     assert any((slot < 0).any() and (slot >= 0).any() for _, _, _, _, slot, _ in seen)  # hits and misses mixed
     for layer, x, ids, wts, slot, y in seen:
-        miss = np.where(slot >= 0, -1, ids).astype(np.int64)
-        want = np.zeros_like(y)
-        fast.routed_experts(layer, Activation(x), miss, wts, want, record=False)
+        miss = np.where(slot >= 0, -1, ids).astype(np.int32)
+        want = np.full_like(y, np.nan)
+        fast.routed_experts(layer, Activation(x), miss, wts, want)
         np.testing.assert_array_equal(y, want)
-        f32 = np.zeros_like(y)
-        slow.routed_experts(layer, Activation(x), miss, wts, f32, record=False)
+        f32 = np.full_like(y, np.nan)
+        slow.routed_experts(layer, Activation(x), miss, wts, f32)
         assert np.abs(y - f32).max() <= 2e-2 * np.abs(f32).max()
 
 

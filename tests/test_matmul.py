@@ -218,11 +218,14 @@ def test_drivers_compile_parallel(driver):
         elif driver == "moe_matmul_for":
             fresh(p, 32, w.shape[1], zero, one, zero, x, xq, xd, xs, out)
         else:  # a 32 x 256 gate/up, a 256 x 32 "down" read from the same bytes (only the control flow matters)
+            from strata_nb.cpu_kernels.ops import plan_buffer
+
             hq, hd, hs = quantize(np.zeros((1, 32), np.float32))
-            fresh(p, p, p, 32, w.shape[1], w.shape[1], K, 34, zero, one, zero, zero, x, xq, xd, xs, xq, xd, xs,
-                  np.zeros((1, 32), np.float32), np.zeros((1, 32), np.float32), np.zeros((1, 32), np.float32),
-                  hq, hd, hs, np.zeros((1, K), np.float32), True, np.ones((1, 1), np.float32), zero,
-                  np.zeros((1, K), np.float32))
+            ids, tally = np.zeros((1, 1), np.int32), np.zeros((1, 1))
+            fresh(True, ids, ids - 1, 1, 0, tally, tally, tally.astype(np.int64), plan_buffer(1, 1),
+                  np.repeat(p, 3).reshape(3, 1), zero, -1, True, x, xq, xd, xs, xq, xd, xs,
+                  np.zeros((3, 1, 32), np.float32), hq, hd, hs, np.zeros((1, K), np.float32), -1,
+                  np.ones((1, 1), np.float32), np.zeros((1, K), np.float32))
 
 
 MOE_TYPES = [pytest.param(True, (Q8_0, Q8_0, Q8_0), id="fast-Q8_0"),
@@ -235,10 +238,11 @@ MOE_TYPES = [pytest.param(True, (Q8_0, Q8_0, Q8_0), id="fast-Q8_0"),
 
 @pytest.mark.parametrize("fast,types", MOE_TYPES)
 def test_moe_ffn_matches_the_grouped_calls(fast, types):
-    """moe_ffn (gate+up, SwiGLU + int8 quantization, down and the weighted combine in one call per wave) against
-    the calls it replaces: moe_matmul for gate, up and down, ops.swiglu_quant (ops.silu_mul on the float path)
-    and ops.moe_combine. Bit-identical, for one wave and for the same experts split into three waves in another
-    order (as the tiered store hands them over), with negative ids (GPU hits) skipped."""
+    """moe_ffn (the routing split, x's int8 form, gate+up, SwiGLU + int8 quantization, down and the weighted
+    combine in one call per wave) against the calls it replaces: ops.moe_split, actq.quantize, moe_matmul for
+    gate, up and down, ops.swiglu_quant (ops.silu_mul on the float path) and ops.moe_combine. Bit-identical, for
+    one call (x quantized before or inside) and for the split alone then the experts in three waves in another
+    order (as the tiered store hands them over), with negative ids skipped."""
     from strata_nb.cpu_kernels import ops
     from strata_nb.cpu_kernels.matmul import moe_ffn_for
 
@@ -251,14 +255,18 @@ def test_moe_ffn_matches_the_grouped_calls(fast, types):
     flat.setflags(write=False)
     sizes = [m.size for e in mats for m in e]
     offs = np.concatenate([[0], np.cumsum(sizes)])[:-1].reshape(n_exp, 3) + flat.ctypes.data
-    ids = np.array([rng.choice(n_exp, k, replace=False) for _ in range(ntok)], np.int64)
+    ids = np.array([rng.choice(n_exp, k, replace=False) for _ in range(ntok)], np.int32)
     ids[1, 2] = ids[3, 0] = -1
     wts = rng.uniform(0.1, 1.0, (ntok, k)).astype(np.float32)
     x = rng.standard_normal((ntok, hidden)).astype(np.float32)
     xq, xd, xs = quantize(x, group(qg))
     uq, ud, us = quantize(x, group(qu))
-    experts, grp_start, entry_tok, entry_slot = ops.group_by_expert(ids, n_exp)
-    n = entry_tok.size
+    plan = ops.plan_buffer(n_exp, ids.size)
+    tallies = (np.zeros((1, n_exp)), np.zeros((1, n_exp)), np.zeros((1, n_exp), np.int64))
+    nsplit, _ = ops.moe_split(ids, np.full(ids.shape, -1, np.int32), ntok, 0, plan, *tallies)
+    experts, grp_start = plan[ops.PLAN_EXPERT, :nsplit].copy(), plan[ops.PLAN_START, :nsplit + 1].copy()
+    n = int(grp_start[-1])
+    entry_tok, entry_slot = plan[ops.PLAN_TOK, :n].copy(), plan[ops.PLAN_SLOT, :n].copy()
     lo, hi = grp_start[:-1], grp_start[1:]
     rb = [m.shape[1] for m in mats[0]]
 
@@ -278,15 +286,29 @@ def test_moe_ffn_matches_the_grouped_calls(fast, types):
     ops.moe_combine(y, wts, entry_tok, entry_slot, want)
 
     kern = moe_ffn_for(fast, qg, qu, qd)
+    table = np.ascontiguousarray(offs.T)
     perm = rng.permutation(len(experts))
-    for waves in ([np.arange(len(experts))], [perm[:2], perm[2:3], perm[3:]]):
+    no_slot = np.full(ids.shape, -1, np.int32)
+    for quant, waves in ((False, None), (True, None), (True, [perm[:2], perm[2:3], perm[3:]])):
         cap = n + 3
-        buf = (np.arange(cap), *(np.full((cap, ff), np.nan, np.float32) for _ in range(3)),
-               *quantize(np.zeros((cap, ff), np.float32), group(qd)), np.full((cap, hidden), np.nan, np.float32))
+        plan = ops.plan_buffer(n_exp, cap)
+        plan[:ops.PLAN_IDENT] = plan[ops.PLAN_IDENT + 1:] = 99  # stale contents
+        ghu = np.full((3, cap, ff), np.nan, np.float32)
+        hbuf = (*quantize(np.zeros((cap, ff), np.float32), group(qd)), np.full((cap, hidden), np.nan, np.float32))
+        if quant:  # the kernel quantizes x into buffers of stale contents (one triple where the groups agree)
+            qx = tuple(np.full_like(a, 7) for a in (xq, xd, xs))
+            qx = qx + (qx if group(qg) == group(qu) else tuple(np.full_like(a, 7) for a in (uq, ud, us)))
+        else:
+            qx = (xq, xd, xs, uq, ud, us)
         got = got0.copy()
-        for i, grp in enumerate(waves):
-            kern(offs[experts[grp], 0], offs[experts[grp], 1], offs[experts[grp], 2], ff, rb[0], rb[1], hidden,
-                 rb[2], grp_start[grp], grp_start[grp + 1], entry_tok, buf[0], x, xq, xd, xs, uq, ud, us, *buf[1:],
-                 i == len(waves) - 1, wts, entry_slot, got)
-        np.testing.assert_array_equal(buf[-1][:n], y)
+        split = (ids, no_slot, ntok, 0, *tallies, plan)
+        if waves is None:  # one call: split, every group, combine
+            r = kern(True, *split, table, plan[ops.PLAN_IDENT], -1, quant, x, *qx, ghu, *hbuf, -1, wts, got)
+        else:  # the split alone, then the waves as a tiered store hands them over
+            r = kern(True, *split, table, plan[ops.PLAN_IDENT], 0, quant, x, *qx, ghu, *hbuf, 0, wts, got)
+            for i, grp in enumerate(waves):
+                kern(False, *split, table, grp, len(grp), quant and i == 0, x, *qx, ghu, *hbuf,
+                     nsplit if i == len(waves) - 1 else 0, wts, got)
+        assert r == (nsplit, 0)
+        np.testing.assert_array_equal(hbuf[-1][:n], y)
         np.testing.assert_array_equal(got, want)

@@ -94,9 +94,14 @@ def test_route_softmax_topk(renorm):
     assert list(ids[1][:2]) == [3, 9]
 
 
-def test_group_and_combine():
-    ids = np.array([[5, 1], [1, 7], [7, 5], [2, 1]], np.int64)
-    experts, start, tok, slot = ops.group_by_expert(ids, 8)
+def test_split_and_combine():
+    ids = np.array([[5, 1], [1, 7], [7, 5], [2, 1]], np.int32)
+    plan = ops.plan_buffer(8, 8)
+    tallies = [np.zeros((1, 8)), np.zeros((1, 8)), np.zeros((1, 8), np.int64)]
+    g, hits = ops.moe_split(ids, np.full(ids.shape, -1, np.int32), 4, 0, plan, *tallies)
+    experts, start = plan[ops.PLAN_EXPERT, :g], plan[ops.PLAN_START, :g + 1]
+    tok, slot = plan[ops.PLAN_TOK, :8], plan[ops.PLAN_SLOT, :8]
+    assert (g, hits) == (4, 0)
     assert list(experts) == [1, 2, 5, 7]
     assert list(start) == [0, 3, 4, 6, 8]
     for g, e in enumerate(experts):
@@ -105,9 +110,9 @@ def test_group_and_combine():
     assert sorted(zip(tok, slot)) == [(t, j) for t in range(4) for j in range(2)]
     y = RNG.standard_normal((8, 300)).astype(np.float32)
     wts = RNG.standard_normal((4, 2)).astype(np.float32)
-    out = np.ones((4, 300), np.float32)
+    out = np.full((4, 300), np.nan, np.float32)
     ops.moe_combine(y, wts, tok, slot, out)
-    ref = np.ones((4, 300))
+    ref = np.zeros((4, 300))
     for j in range(8):
         ref[tok[j]] += wts[tok[j], slot[j]] * y[j]
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
@@ -183,26 +188,36 @@ def test_swiglu_quant():
         np.testing.assert_array_equal(a, b)
 
 
-def test_pool_split():
-    """ops.pool_split against the numpy it replaces in the hybrid engine's CPU pool (np.unique of all choices,
-    np.where(hit, -1, ids), the distinct missed experts, the hit count); buffers reused with stale contents."""
+def test_moe_split():
+    """ops.moe_split against numpy: the groups (np.unique of the choices computed here), their entries, the hits,
+    and every choice's count added once per expert to row `layer` of each tally; buffers reused with stale
+    contents, negative ids skipped."""
     rng = np.random.default_rng(7)
-    ne = 16
-    experts, counts, missed = (np.full(ne, 99, np.int64) for _ in range(3))
-    ta, tb = np.full(ne, 0.5), np.zeros(ne, np.int64)
+    ne, layer = 16, 1
+    plan = ops.plan_buffer(ne, 0)
+    plan[:] = 99
+    ta, tb, tc = np.full((2, ne), 0.5), np.zeros((2, ne)), np.zeros((2, ne), np.int64)
     for ntok, k in ((1, 4), (3, 4), (5, 2)):
-        ids = np.array([rng.choice(ne, k, replace=False) for _ in range(ntok)], np.int32)
-        slot = np.where(rng.random((ntok, k)) < 0.5, rng.integers(0, 8, (ntok, k)), -1).astype(np.int32)
-        masked = np.full((ntok, k), 77, np.int32)
-        before = ta.copy(), tb.copy()
-        g, m, nh, nm = ops.pool_split(ids, slot, masked, experts, counts, missed, ta, tb)
-        uniq, cnt = np.unique(ids, return_counts=True)
-        per = np.bincount(ids.ravel(), minlength=ne)
-        for got, was in zip((ta, tb), before):
-            np.testing.assert_array_equal(got, was + per)
-        hit = slot >= 0
-        np.testing.assert_array_equal(masked, np.where(hit, -1, ids))
-        np.testing.assert_array_equal(experts[:g], uniq)
-        np.testing.assert_array_equal(counts[:g], cnt)
-        np.testing.assert_array_equal(missed[:m], np.unique(ids[~hit]))
-        assert (nh, nm) == (int(hit.sum()), int((~hit).sum()))
+        ids = np.array([rng.choice(ne, k, replace=False) for _ in range(ntok + 1)], np.int32)  # a row past ntok
+        ids[0, -1] = -1
+        slot = np.where(rng.random(ids.shape) < 0.5, rng.integers(0, 8, ids.shape), -1).astype(np.int32)
+        plan = ops.plan_buffer(ne, ntok * k) if plan.shape[1] < ntok * k else plan
+        before = ta.copy(), tb.copy(), tc.copy()
+        g, nh = ops.moe_split(ids, slot, ntok, layer, plan, ta, tb, tc)
+        ids, slot = ids[:ntok], slot[:ntok]
+        valid = ids >= 0
+        per = np.bincount(ids[valid], minlength=ne)
+        for got, was in zip((ta, tb, tc), before):
+            np.testing.assert_array_equal(got[layer], was[layer] + per)
+            np.testing.assert_array_equal(got[0], was[0])
+        cpu = valid & (slot < 0)
+        np.testing.assert_array_equal(plan[ops.PLAN_EXPERT, :g], np.unique(ids[cpu]))
+        assert nh == int((valid & (slot >= 0)).sum())
+        start = plan[ops.PLAN_START, :g + 1]
+        n = int(cpu.sum())
+        assert start[0] == 0 and start[g] == n
+        tok, sl = plan[ops.PLAN_TOK, :n], plan[ops.PLAN_SLOT, :n]
+        assert sorted(zip(tok, sl)) == sorted(zip(*np.nonzero(cpu)))
+        for i in range(g):
+            assert (ids[tok[start[i]:start[i + 1]], sl[start[i]:start[i + 1]]] == plan[ops.PLAN_EXPERT, i]).all()
+            assert (np.diff(tok[start[i]:start[i + 1]]) > 0).all()

@@ -69,8 +69,9 @@ def main() -> None:
 
         def timed(*args, _k=kern):
             t0 = time.perf_counter()
-            _k(*args)
+            r = _k(*args)
             kern_s[0] += time.perf_counter() - t0
+            return r
 
         b.cpu._moe[layer] = (timed,) + tuple(entry[1:])
     prompt = prompt_ids(0, a.prompt, eng.spec.n_vocab)

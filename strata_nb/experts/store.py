@@ -1,11 +1,12 @@
 """Expert stores: where the CPU MoE finds each selected expert, as addresses moe_matmul reads.
 
-The MoE layer asks its store for the selected experts of a layer and gets them back in *waves*: groups of experts
-whose bytes are in RAM now, with the addresses of their gate, up and down matrices. The layer computes each wave
-as it comes and combines all of them at the end in one fixed order, so the result does not depend on which tier
-served which expert.
+A store that holds every expert of a layer in RAM at fixed places hands the MoE layer one table of their
+addresses (`table`), and the layer computes all its selected experts in one call. Otherwise the layer asks for the
+selected experts and gets them back in *waves*: groups of experts whose bytes are in RAM now, with the addresses of
+their gate, up and down matrices. The layer computes each wave as it comes and combines all of them at the end in
+one fixed order, so the result does not depend on which tier served which expert.
 
-- MappedStore: every expert read in place from the memory map (GGUF or pack); one wave. The simple tier, and the
+- MappedStore: every expert read in place from the memory map (GGUF or pack); a table. The simple tier, and the
   A/B arm of the tiered store.
 - TieredStore (experts.tiered): a resident arena, recently read blobs and SSD reads with lookahead.
 """
@@ -60,9 +61,9 @@ class ExpertIO:
 
 
 class ExpertStore:
-    """Interface of the stores; also records routing into the profile when one is kept."""
+    """Interface of the stores."""
 
-    tiered = False
+    tiered = False  # tiered stores also keep routing counts of their own (routed)
     lookahead_k = 0  # experts per token to predict for the next layer and prefetch (tiered stores only)
 
     def __init__(self, src: ExpertSource, profile: RoutingProfile | None):
@@ -70,13 +71,26 @@ class ExpertStore:
         self.profile = profile
         self.io = ExpertIO()
         self.expert_bytes = {l: sum(src.matrix(l, k).nbytes for k in KINDS) for l in src.layers}
+        # f64[n_layer, n_expert]: tokens routed to each expert, added by the MoE layer's compiled routing split (no
+        # call per layer): the profile's counts of this run where one is kept
+        n_expert = src.matrix(src.layers[0], "gate").n_expert if src.layers else 0
+        self.counts = (profile.run_counts if profile is not None
+                       else np.zeros((max(src.layers, default=-1) + 1, n_expert)))
 
     def routed(self, layer: int, experts: np.ndarray, n_tokens: np.ndarray) -> None:
-        """The router of `layer` sent n_tokens[i] tokens to experts[i]."""
-        if self.profile is not None:
-            self.profile.add(layer, experts, n_tokens)
+        """The router of `layer` sent n_tokens[i] tokens to experts[i]: counts a tiered store keeps besides
+        self.counts (called for tiered stores only)."""
+
+    def table(self, layer: int) -> np.ndarray | None:
+        """The addresses i64[3, n_expert] of the gate, up and down matrices of every expert of `layer` where they all
+        lie in RAM at fixed places (the MoE layer computes all its experts in one call); None: ask waves()."""
+        return None
+
+    def served(self, layer: int, n: int) -> None:
+        """n experts of `layer` were read from the table (counted in io; waves() counts its own)."""
 
     def waves(self, layer: int, experts: np.ndarray) -> Iterator[Wave]:
+        """The selected experts as they reach RAM (stores without a table)."""
         raise NotImplementedError
 
     def prefetch(self, layer: int, experts: np.ndarray) -> None:
@@ -97,16 +111,17 @@ class MappedStore(ExpertStore):
         super().__init__(src, profile)
         base = src.buf.ctypes.data
         n = src.buf.shape[0]
-        self._addr: dict[tuple[int, str], np.ndarray] = {}
+        self._tables: dict[int, np.ndarray] = {}
         for l in src.layers:
-            for k in KINDS:
+            tbl = self._tables[l] = np.empty((len(KINDS), src.matrix(l, "gate").n_expert), np.int64)
+            for i, k in enumerate(KINDS):
                 m = src.matrix(l, k)
                 if m.offsets.size and (m.offsets.min() < 0 or m.offsets.max() + m.nbytes > n):
                     raise StrataError(f"{src.path.name}: layer {l} {k} experts lie outside the file")
-                self._addr[(l, k)] = base + m.offsets
+                tbl[i] = base + m.offsets
 
-    def waves(self, layer: int, experts: np.ndarray) -> Iterator[Wave]:
-        self.io.served["mapped"] += len(experts) * self.expert_bytes[layer]
-        a = self._addr
-        yield Wave(np.arange(len(experts)), a[(layer, "gate")][experts], a[(layer, "up")][experts],
-                   a[(layer, "down")][experts])
+    def table(self, layer: int) -> np.ndarray:
+        return self._tables[layer]
+
+    def served(self, layer: int, n: int) -> None:
+        self.io.served["mapped"] += n * self.expert_bytes[layer]

@@ -31,30 +31,19 @@ class ForwardStats:
 
 class Activation:
     """A float32 activation [T, K] with its int8 forms (one per activation group size, actq.group), each made once
-    and shared by every consumer. keep: a dict of buffers kept per (T, K, group) to quantize into (no allocation),
-    or None."""
+    and shared by every consumer."""
 
-    __slots__ = ("x", "_q", "_keep")
+    __slots__ = ("x", "_q")
 
-    def __init__(self, x: np.ndarray, q: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-                 keep: dict | None = None):
+    def __init__(self, x: np.ndarray, q: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
         self.x = x
         self._q = {} if q is None else {x.shape[1] // q[1].shape[1]: q}
-        self._keep = keep
 
     def q(self, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The int8 form in groups of `group` (xq, xd, xs)."""
         q = self._q.get(group)
         if q is None:
-            t, k = self.x.shape
-            if self._keep is None:
-                q = actq.empty(t, k, group)
-            else:
-                q = self._keep.get((t, k, group))
-                if q is None:
-                    q = self._keep[(t, k, group)] = actq.empty(t, k, group)
-            actq.quantize_rows(self.x, *q)
-            self._q[group] = q
+            q = self._q[group] = actq.quantize(self.x, group)
         return q
 
 
@@ -72,8 +61,17 @@ class CPUBackend:
         self._qk_mode = {"none": ops.QK_NORM_NONE, "head": ops.QK_NORM_HEAD, "full": ops.QK_NORM_FULL}[spec.qk_norm]
         # Per MoE layer: the routed-expert kernel specialized for its quant types, and its matrix geometry.
         self._moe: dict[int, tuple] = {}
-        self._scratch: dict[tuple[int, int, int], tuple[np.ndarray, ...]] = {}
-        self._act_q: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._scratch: dict[tuple[int, int, int | None], tuple[np.ndarray, ...]] = {}
+        # kept between calls (a decode token's MoE allocates nothing): the routing plan (ops.moe_split), its identity
+        # row (the groups of a one-wave call), slots that send every choice to the CPU, the pool's kernel buffers per
+        # layer (x's int8 forms and the scratch), the addresses of a tiered store's waves, and rows that count nothing
+        ne = max(spec.n_expert, 1)
+        self._plan = ops.plan_buffer(ne, 0)
+        self._ident = self._plan[ops.PLAN_IDENT]
+        self._cpu_slot = np.full((1, max(spec.n_expert_used, 1)), -1, np.int32)
+        self._pool_args: dict[int, tuple[int, tuple[np.ndarray, ...]]] = {}
+        self._wave_table = np.zeros((3, ne), np.int64)
+        self._no_count = (np.zeros((spec.n_layer, ne)), np.zeros((spec.n_layer, ne), np.int64))
         # MoE layer -> int8 activation groups of its gate, up and down matrices (None: float32 activations)
         self._grp: dict[int, tuple[int | None, int | None, int | None]] = {}
         if experts is not None:
@@ -84,8 +82,7 @@ class CPUBackend:
                     raise ValueError(f"layer {l}: expert matrices of {mg.rows}, {mu.rows} and {md.rows} rows")
                 kern = moe_ffn_for(bool(fast), int(mg.qtype), int(mu.qtype), int(md.qtype))
                 self._grp[l] = tuple(self._group(int(m.qtype)) for m in (mg, mu, md))
-                self._moe[l] = (kern, mg.rows, mg.row_bytes, mu.row_bytes, md.rows, md.row_bytes,
-                                mg.nbytes + mu.nbytes + md.nbytes)
+                self._moe[l] = (kern, mg.rows, md.rows, mg.nbytes + mu.nbytes + md.nbytes)
         # the int8 group of each layer's FFN input: that of its first quantized consumer
         self._ffn_group = [self._ffn_in_group(l, lw) for l, lw in enumerate(weights.layers)]
 
@@ -94,19 +91,13 @@ class CPUBackend:
         out = np.empty((a.x.shape[0], m.n_out), np.float32)
         if self.fast:
             group = self._group(m.qtype)
-            xq, xd, xs = a.q(group) if group else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
+            xq, xd, xs = a.q(group) if group else _EMPTY
             matmul_q8(m.qtype, m.rows, a.x, xq, xd, xs, out)
         else:
             matmul_f32(m.qtype, m.rows, a.x, out)
         if m.bias is not None:
             out += m.bias
         return out
-
-    def activation(self, x: np.ndarray) -> Activation:
-        """x f32[T, K] (C-contiguous) as an Activation whose int8 forms go into buffers kept per shape: for callers
-        outside the forward such as the hybrid engine's CPU pool (no allocation per layer); valid until the next
-        call with the same shape."""
-        return Activation(x, keep=self._act_q)
 
     def norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         out = np.empty_like(x)
@@ -163,65 +154,103 @@ class CPUBackend:
         return self.linear(lw.wo, Activation(o.reshape(t, s.q_dim)))
 
     def route(self, lw: LayerWeights, a: Activation) -> tuple[np.ndarray, np.ndarray]:
-        """The router's top-k experts ids i64[T, k] and their weights f32[T, k]."""
+        """The router's top-k experts ids i32[T, k] and their weights f32[T, k]."""
         s = self.spec
         logits = np.empty((a.x.shape[0], s.n_expert), np.float32)
         matmul_f32(lw.router.qtype, lw.router.rows, a.x, logits)  # routing decides: keep it in float32
-        ids = np.empty((a.x.shape[0], s.n_expert_used), np.int64)
+        ids = np.empty((a.x.shape[0], s.n_expert_used), np.int32)
         wts = np.empty((a.x.shape[0], s.n_expert_used), np.float32)
         ops.route_softmax_topk(logits, s.n_expert_used, s.expert_norm, np.float32(s.expert_weights_scale), ids, wts)
         return ids, wts
 
-    def routed_experts(self, layer: int, a: Activation, ids: np.ndarray, wts: np.ndarray,
-                       out: np.ndarray, record: bool = True) -> None:
-        """out[t] += sum over j of wts[t, j] * expert_{ids[t, j]}(a[t]); choices with a negative id are skipped
-        (the hybrid engine computes those on the GPU). The CPU engine's MoE and the hybrid's CPU expert pool.
-        ids: i64 or i32 [T, k]; wts f32[T, k]; out f32[T, n_embd], C-contiguous.
-        record: count the routing in the store's profile (the hybrid engine counts all choices itself)."""
-        t0 = time.perf_counter()
-        # Group the (token, slot) pairs by expert: each selected expert's rows are read once for all its tokens.
-        experts, grp_start, entry_tok, entry_slot = ops.group_by_expert(ids, self.spec.n_expert)
-        ngrp = len(experts)
-        if ngrp == 0:
-            return
-        store = self.experts
-        if record:
-            store.routed(layer, experts, np.diff(grp_start))
-        kern, ff, gate_rb, up_rb, hidden, down_rb, nbytes = self._moe[layer]
+    def routed_experts(self, layer: int, a: Activation, ids: np.ndarray, wts: np.ndarray, out: np.ndarray) -> None:
+        """out[t] = sum over j of wts[t, j] * expert_{ids[t, j]}(a[t]): the CPU engine's MoE. Choices with a
+        negative id are skipped; the routing is counted in the store. ids i32[T, k]; wts f32[T, k]; out
+        f32[T, n_embd], C-contiguous."""
+        t, k = ids.shape
         gg, gu, gd = self._grp[layer]
-        buf = self._moe_scratch(ff, hidden, gd, entry_tok.shape[0])
-        xq, xd, xs = a.q(gg) if gg else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
-        uq, ud, us = a.q(gu) if gu else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
-        # The store hands the experts over in waves as their bytes reach RAM: one compiled call per wave runs
-        # gate+up, SwiGLU (+ int8 quantization) and down for the wave's entries; the call of the last wave also
-        # adds the weighted sum of every entry into out, in entry order, so which tier served an expert (and in
-        # which wave it came) never changes a bit of the result.
-        done = 0
-        for wave in store.waves(layer, experts):
-            grp = wave.groups
-            done += len(grp)
-            kern(wave.gate, wave.up, wave.down, ff, gate_rb, up_rb, hidden, down_rb, grp_start[grp],
-                 grp_start[grp + 1], entry_tok, buf[0], a.x, xq, xd, xs, uq, ud, us, *buf[1:], done == ngrp, wts,
-                 entry_slot, out)
+        _, ff, hidden, _ = self._moe[layer]
+        args = (*(a.q(gg) if gg else _EMPTY), *(a.q(gu) if gu else _EMPTY), *self._moe_scratch(ff, hidden, gd, t * k))
+        if self._cpu_slot.shape[0] < t:
+            self._cpu_slot = np.full((t, k), -1, np.int32)
+        self._routed(layer, t, a.x, args, False, ids, self._cpu_slot, wts, out, *self._no_count)
+
+    def pool(self, layer: int, ntok: int, x: np.ndarray, ids: np.ndarray, slot: np.ndarray, wts: np.ndarray,
+             out: np.ndarray, cache_counts: np.ndarray, routed: np.ndarray) -> tuple[int, int]:
+        """The hybrid engine's CPU expert pool on one layer's mailbox: out[t] = sum over the choices j with
+        slot[t, j] < 0 of wts[t, j] * expert_{ids[t, j]}(x[t]) for tokens 0..ntok-1 (later rows of the buffers are
+        left alone); x is quantized inside the kernel's call. Row `layer` of cache_counts (f64) and routed (i64)
+        [n_layer, n_expert], and of the store's counts, gets every choice, those with a slot included.
+        Returns (G, hits): missed(G) are the experts computed here."""
+        rows, args = self._pool_args.get(layer, (0, ()))
+        if rows != x.shape[0]:  # the buffers for every row of the mailbox, made at the layer's first call
+            rows = x.shape[0]
+            gg, gu, gd = self._grp[layer]
+            _, ff, hidden, _ = self._moe[layer]
+            xq = actq.empty(rows, x.shape[1], gg) if gg else _EMPTY
+            uq = actq.empty(rows, x.shape[1], gu) if gu and gu != gg else xq if gu else _EMPTY
+            args = (*xq, *uq, *self._moe_scratch(ff, hidden, gd, rows * ids.shape[1]))
+            self._pool_args[layer] = (rows, args)
+        return self._routed(layer, ntok, x, args, True, ids, slot, wts, out, cache_counts, routed)
+
+    def missed(self, n: int) -> np.ndarray:
+        """The n experts the last pool call computed (ascending; a view, valid until the next call)."""
+        return self._plan[ops.PLAN_EXPERT, :n]
+
+    def _routed(self, layer: int, ntok: int, x: np.ndarray, args: tuple[np.ndarray, ...], quant: bool,
+                ids: np.ndarray, slot: np.ndarray, wts: np.ndarray, out: np.ndarray, tally_a: np.ndarray,
+                tally_c: np.ndarray) -> tuple[int, int]:
+        """routed_experts and pool: the kernel splits the routing (counted into the tallies and the store's
+        counts) and computes the experts on x's int8 forms and its scratch (args): in one call where the store
+        has a table of every expert, else in one call per wave the store hands over, the last adding the
+        weighted sum of every entry into out in entry order, so which tier served an expert (and in which wave
+        it came) never changes a bit of the result. quant: the kernel makes x's int8 forms."""
+        t0 = time.perf_counter()
+        kern, _, _, nbytes = self._moe[layer]
+        store = self.experts
+        if self._plan.shape[1] < ntok * ids.shape[1]:
+            self._plan = ops.plan_buffer(max(self.spec.n_expert, 1), ntok * ids.shape[1])
+            self._ident = self._plan[ops.PLAN_IDENT]
+        plan = self._plan
+        table = store.table(layer)
+        if table is not None:  # every expert in RAM at fixed places: one call
+            ngrp, hits = kern(True, ids, slot, ntok, layer, tally_a, store.counts, tally_c, plan, table, self._ident,
+                              -1, quant, x, *args, -1, wts, out)
+        else:  # the store hands the experts over in waves as their bytes reach RAM
+            ngrp, hits = kern(True, ids, slot, ntok, layer, tally_a, store.counts, tally_c, plan, self._wave_table,
+                              self._ident, 0, quant, x, *args, 0, wts, out)
+            experts = plan[ops.PLAN_EXPERT, :ngrp]
+            table = self._wave_table
+            done = 0
+            for wave in store.waves(layer, experts) if ngrp else ():
+                e = experts[wave.groups]
+                table[0, e], table[1, e], table[2, e] = wave.gate, wave.up, wave.down
+                first = done == 0
+                done += len(wave.groups)
+                kern(False, ids, slot, ntok, layer, tally_a, store.counts, tally_c, plan, table, wave.groups,
+                     len(wave.groups), quant and first, x, *args, ngrp if done == ngrp else 0, wts, out)
+        if store.tiered:
+            v = ids[:ntok].ravel()
+            store.routed(layer, *np.unique(v[v >= 0], return_counts=True))
+        store.served(layer, ngrp)
         self.stats.expert_s += time.perf_counter() - t0
         self.stats.expert_bytes += ngrp * nbytes
+        return ngrp, hits
 
     def _moe_scratch(self, ff: int, hidden: int, group: int | None, n: int) -> tuple[np.ndarray, ...]:
-        """The routed-expert kernel's buffers for n entries (kept, grown when a batch needs more): the entries'
-        identity index, gate and up outputs, h with its int8 form (in the down matrix's activation group), and
-        the down outputs."""
+        """The routed-expert kernel's buffers for n entries (kept, grown when a batch needs more): the gate, up and
+        h rows, h's int8 form (in the down matrix's activation group) and the down outputs."""
         buf = self._scratch.get((ff, hidden, group))
-        if buf is None or buf[0].shape[0] < n:
+        if buf is None or buf[0].shape[1] < n:
             cap = max(n, 2 * self.spec.n_expert_used)
-            qf, qd, qs = actq.empty(cap, ff, group) if group and ff % group == 0 else (_EMPTY_Q, _EMPTY_D, _EMPTY_D)
-            buf = (np.arange(cap, dtype=np.int64), np.empty((cap, ff), np.float32), np.empty((cap, ff), np.float32),
-                   np.empty((cap, ff), np.float32), qf, qd, qs, np.empty((cap, hidden), np.float32))
+            qf, qd, qs = actq.empty(cap, ff, group) if group and ff % group == 0 else _EMPTY
+            buf = (np.empty((3, cap, ff), np.float32), qf, qd, qs, np.empty((cap, hidden), np.float32))
             self._scratch[(ff, hidden, group)] = buf
         return buf
 
     def moe(self, lw: LayerWeights, layer: int, a: Activation) -> np.ndarray:
         ids, wts = self.route(lw, a)
-        out = np.zeros((a.x.shape[0], self.spec.n_embd), np.float32)
+        out = np.empty((a.x.shape[0], self.spec.n_embd), np.float32)
         self.routed_experts(layer, a, ids, wts, out)
 
         if lw.shexp_gate is not None:
@@ -292,5 +321,4 @@ class CPUBackend:
 
 
 _ONE = np.ones(1, np.float32)  # stands in for an absent QK-norm weight
-_EMPTY_Q = np.zeros((1, 32), np.int8)
-_EMPTY_D = np.zeros((1, 2), np.float32)
+_EMPTY = (np.zeros((1, 32), np.int8), np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32))  # never read

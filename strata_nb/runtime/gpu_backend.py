@@ -218,10 +218,10 @@ class GPUBackend:
         # base method: on a GPU the mapped array is also a device array, whose own view() means a device view
         self._px, self._pids, self._pwts, self._pslot, self._py = (
             np.ndarray.view(a, np.ndarray) for a in (self.mb.x, self.mb.ids, self.mb.wts, self.mb.slot, self.mb.y))
-        self._pmask = np.empty((tm, k), np.int32)
-        self._pexp, self._pcnt, self._pmiss = (np.empty(max(s.n_expert, 1), np.int64) for _ in range(3))
-        # pool_split's rows where no count is kept, typed as the kept ones (one compiled signature)
-        self._ptally = (np.zeros(max(s.n_expert, 1), np.float64), np.zeros(max(s.n_expert, 1), np.int64))
+        self._pall = np.full((tm, k), -1, np.int32)  # the slots while warming up: the pool computes every choice
+        # where no count is kept, counts typed as the kept ones (one compiled signature)
+        ne = max(s.n_expert, 1)
+        self._ptally = (np.zeros((s.n_layer, ne)), np.zeros((s.n_layer, ne), np.int64))
         self.cache = None
         if s.is_moe:
             self.cache = VRAMCache(self.experts.src, s.n_layer, s.n_expert, vram_slots,
@@ -232,6 +232,9 @@ class GPUBackend:
             self._slot_bytes = {l: lay.slot_bytes for l, lay in self.cache.layouts.items()}
             self._expert_bytes = {l: sum(m.nbytes for m in lay.mats.values())
                                   for l, lay in self.cache.layouts.items()}
+            # layers whose slots are not all taken yet: only they admit missed experts (a taken slot is never free
+            # again, swaps reuse it), so a warm pool never calls into the cache
+            self._pfree = {l for l, n in self.cache.slots.items() if n > 0}
         # while the doorbell thread waits for the GPU, the CPU pool's OpenMP workers are kept from falling asleep
         self._tick = None
         if self.cache is not None and len(self._full) < len(self.cache.slots):
@@ -393,35 +396,26 @@ class GPUBackend:
 
     # -- running ------------------------------------------------------------------------------------------
     def _cpu_pool(self, layer: int, T: int, stats: HybridStats | None) -> float:
-        """The misses of `layer` for T tokens: read the published routing, compute, write the weighted sum. The
-        per-layer glue is one compiled call on plain views of the mailbox (no numpy temporaries)."""
-        # one count of the layer's choices (hits included) for the cache's placement and the stats, added inside
-        # the split, and for the store (profile, residency) below; none while warming up
-        scratch, counting = self._ptally, not self._warming
-        late = stats is not None and stats.tokens >= WARM_TOKENS
-        ng, nm_e, nh, nm = cops.pool_split(
-            self._pids[:T], self._pslot[:T], self._pmask[:T], self._pexp, self._pcnt, self._pmiss,
-            self.cache.counts[layer] if counting else scratch[0],
-            stats.routed[layer] if counting and late else scratch[1])
-        mask = self._pmask[:T]
-        if self._warming:  # the pool computes every choice, so its kernels compile even when all of them hit VRAM
-            mask[:] = self._pids[:T]
-            nm = mask.size
-        else:
-            self.experts.routed(layer, self._pexp[:ng], self._pcnt[:ng])
-            if nm_e:
-                self.cache.admit(layer, self._pmiss[:nm_e])
-        y = self._py[:T]
-        y[:] = 0.0
-        if nm:
-            a = self.cpu.activation(self._px[:T])
-            t0 = time.perf_counter()
-            self.cpu.routed_experts(layer, a, mask, self._pwts[:T], y, record=False)
-            dt = time.perf_counter() - t0
-        else:
-            dt = 0.0
+        """The misses of `layer` for T tokens: read the published routing, compute, write the weighted sum. One call
+        into the CPU backend on plain views of the whole mailbox (no slices, no numpy temporaries): the split, the
+        counts, x's int8 form and the experts run compiled. Returns the seconds in that call."""
+        # The layer's choices (hits included) are counted, inside the split, for the cache's placement, the stats
+        # and the store; none while warming up, when the pool computes every choice so that its kernels compile
+        # even when all of them hit VRAM.
+        counting = not self._warming
+        late = counting and stats is not None and stats.tokens >= WARM_TOKENS
+        t0 = time.perf_counter()
+        ng, nh = self.cpu.pool(layer, T, self._px, self._pids, self._pslot if counting else self._pall, self._pwts,
+                               self._py, self.cache.counts if counting else self._ptally[0],
+                               stats.routed if late else self._ptally[1])
+        dt = time.perf_counter() - t0
+        if ng and counting and layer in self._pfree:
+            self.cache.admit(layer, self.cpu.missed(ng))
+            if (self.cache.slot_expert[layer] != -1).all():
+                self._pfree.discard(layer)
         if stats is not None:
             nb = self._expert_bytes[layer]
+            nm = T * self.spec.n_expert_used - nh
             stats.hits += nh
             stats.misses += nm
             stats.hit_bytes += nh * nb
