@@ -445,8 +445,8 @@ def report(meta: dict, runs: list[dict]) -> str:
         lines += ["", "strata-nb per run: share, rep, decode tok/s, VRAM slots, hit rate by count / by bytes (all "
                       "decode tokens), hit rate after the cache's warm-up (the first 16 decode tokens) and the best "
                       "static hit rate of the same slots over those tokens, expert MB per token, CPU expert GB/s, "
-                      "load s, distinct tokens generated; host ms/token as graph launches / pool glue / thread "
-                      "hand-over / token end:", ""]
+                      "load s, distinct tokens generated; host ms/token as graph launches / pool glue / engine "
+                      "call (lock, context check, the mapped token read) / token end:", ""]
         for r in st_all:
             d = derive(r)
             lines.append(f"- {100 * r['share']:g}% rep {r.get('rep', 0) + 1}: {_fmt(r['decode_tps'])} tok/s, "

@@ -73,12 +73,15 @@ def close(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / b.std())
 
 
-@pytest.mark.parametrize("slots,kv", [(0, "f32"), (2, "f32"), (4, "f32"), (2, "f16")])  # none, half, all in VRAM
-def test_hybrid_logits_match_cpu_engine(model, reference, slots, kv):
+@pytest.mark.parametrize("slots,kv,gates", [(0, "f32", "0"), (2, "f32", "0"), (2, "f32", "1"), (4, "f32", "0"),
+                                            (2, "f16", "1")])  # none, half, all in VRAM; gates (doorbell.py)
+def test_hybrid_logits_match_cpu_engine(model, reference, slots, kv, gates, monkeypatch):
     ref, toks = reference
+    monkeypatch.setenv("STRATA_NB_GATES", gates)
     eng = Engine(model, device="cuda", n_ctx=CTX, fast=False, vram_budget=budget_for(model, slots, kv), kv_type=kv)
     try:
         assert set(eng.gpu_plan.slots.values()) == {slots}
+        assert eng.backend._gated == (gates == "1" and not SIM and slots < 4)  # gates exist on a GPU only
         res = eng.generate(PROMPT, 3, SamplerConfig(temperature=0.0), keep_logits=True)
         got = np.concatenate(res.logits)
         assert got.shape == ref.shape
@@ -265,6 +268,42 @@ def test_device_warm_up_changes_no_state(model, reference):
         assert res.tokens == toks
     finally:
         eng.close()
+
+
+@pytest.mark.skipif(SIM, reason="a real GPU only: the simulator has no stream memory operations")
+def test_gated_work_waits_for_the_host_and_closes_its_gate():
+    """Work captured behind a gate does not run until the host opens it, then runs once and closes the gate
+    again, replay after replay (what the hybrid engine's per-layer segments rely on)."""
+    import time
+
+    from numba import cuda
+
+    from strata_nb.cuda_kernels import ops as kops
+    from strata_nb.runtime.cuda_rt import Graph
+    from strata_nb.runtime.doorbell import Mailbox
+
+    mb = Mailbox(1, 64, 1, n_layer=2)
+    st = cuda.stream()
+    assert mb.gates_work(st, 5.0)
+    x = cuda.to_device(np.zeros((1, 64), np.float32))
+    y = cuda.to_device(np.ones((1, 64), np.float32))
+    g = Graph(lambda s: (mb.gate_op(1)(s), kops.add(x, y, 1, s)), st, "gated add")
+    try:
+        for rep in range(1, 4):
+            g.launch(st)
+            ev = cuda.event()
+            ev.record(st)
+            time.sleep(0.05)
+            assert not ev.query() and mb.gates[1] == 0  # held: the add has not run
+            mb.open(1)
+            deadline = time.perf_counter() + 5.0
+            while not ev.query():
+                assert time.perf_counter() < deadline, "the gated work did not run after the gate opened"
+                time.sleep(1e-3)
+            assert x.copy_to_host()[0, 0] == rep and mb.gates[1] == 0  # ran once, gate closed by the device
+    finally:
+        mb.release(st, 5.0)  # a failed check must not leave the stream held
+        g.close()
 
 
 def test_a_gpu_that_never_publishes_is_an_error_not_a_hang(model, monkeypatch):

@@ -3,7 +3,8 @@
 # (VARIANTS="4x4,4x2,..." runs matvec_variants.py), per-kernel decode times on the 2-layer model, then
 # PROBES="0.5 0.5:GOMP_SPINCOUNT=30000000 1" runs pool_probe.py on the full uniform model once per entry (VRAM
 # share, then the environment of that run), then hybrid_vs_llama.py on it with whatever time is left
-# (BENCH_ARGS=none: no benchmark). PACK=1 packs the numba cache into $OUT for the next call's .gpu/.
+# (BENCH_ARGS=none: no benchmark; BENCH_IF_PASSED=1: none unless the tests passed). PACK=1 packs the numba cache
+# into $OUT for the next call's .gpu/.
 set -uo pipefail
 BUDGET=${CALL_BUDGET:-560}
 OUT=${OUT:-/tmp/gpu-out}
@@ -20,7 +21,8 @@ else SYNTH_NICE=10 bash bench/gpu/synth.sh start smoke uniform; fi
 pack() { [ "${PACK:-0}" = 1 ] && bash bench/gpu/pack_cache.sh "$OUT"; }
 ts "pytest GPU files"
 timeout -s INT -k 20 ${PYTEST_S:-200} python3 -m pytest -q -p no:cacheprovider -rfE ${TESTS:-tests/test_cuda_ops.py tests/test_cuda_matmul.py tests/test_hybrid.py} >"$OUT/pytest.log" 2>&1
-ts "pytest rc $?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | tail -15
+rc=$?; ts "pytest rc $rc"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | tail -15
+if [ "${BENCH_IF_PASSED:-0}" = 1 ] && [ "$rc" != 0 ]; then echo "tests failed: no probes, no benchmark"; pack; exit 1; fi
 if [ -n "${VARIANTS:-}" ]; then
     ts "matvec_variants $VARIANTS"
     timeout -k 10 ${VARIANTS_S:-150} python3 bench/gpu/matvec_variants.py --variants "$VARIANTS" 2>&1 | grep -v -i warn | tee "$OUT/variants.log"

@@ -5,6 +5,8 @@
   gpu-machine.md measured: ~1 us per replayed kernel against ~33 us per launch from Python) and replayed. Under
   numba's simulator there are no graphs: the recorded launches are replayed as calls, which is the same
   computation, so the tests exercise the same code path.
+- gate(): a stream-ordered wait on a word of mapped host memory that the host sets (the GPU's front end polls it;
+  no kernel spins), so work queued behind it starts when the host says, without a launch from the host.
 - host_view(): the numpy view of a mapped (zero-copy) array; event_done(): a non-blocking event query.
 """
 from __future__ import annotations
@@ -67,6 +69,24 @@ def stream_wait(stream, ev) -> None:
     """Make stream wait (on the device, not the host) for ev."""
     if not SIM:
         ev.wait(stream)
+
+
+def device_pointer(mapped, index: int = 0) -> int:
+    """The device address of element `index` of a 1-D device or mapped array."""
+    return int(mapped.__cuda_array_interface__["data"][0]) + index * mapped.dtype.itemsize
+
+
+def gate(stream, addr: int) -> None:
+    """Enqueue on stream: wait (in the GPU's front end, no kernel spinning) until the uint32 at addr (mapped host
+    memory) is 1, then set it back to 0. Captured into a graph like a kernel. The host opens the gate by writing
+    1 there; everything enqueued after it waits, with no launch from the host in between."""
+    from cuda.bindings import driver as drv
+
+    h, a = stream.handle, drv.CUdeviceptr(addr)
+    _check(drv.cuStreamWaitValue32(h, a, 1, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ.value),
+           "stream wait on a mapped word")
+    _check(drv.cuStreamWriteValue32(h, a, 0, drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT.value),
+           "stream write to a mapped word")
 
 
 def _check(res, what: str):

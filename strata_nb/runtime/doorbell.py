@@ -3,8 +3,9 @@
 The GPU publishes a layer's MoE input, expert ids, weights and each choice's VRAM slot into mapped pinned memory,
 then bumps a sequence number there (cuda_kernels.mailbox). The doorbell thread (the thread that called the
 engine) spins on that number (bounded), has the CPU pool compute the choices no slot holds, writes their weighted
-sum to mapped memory and launches the graph that adds it. The GPU never waits for the host inside a kernel; the
-host drives.
+sum to mapped memory and launches the work that adds it. With gates (STRATA_NB_GATES=1, off by default: see
+docs/architecture.md) that work was launched ahead behind the layer's gate, a word of mapped memory it waits on in
+the GPU's front end (a stream wait captured into the graph; no kernel spins), and the host opens the gate instead.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 from numba import cuda
 
 from strata_nb.errors import StrataError
-from strata_nb.runtime.cuda_rt import host_view
+from strata_nb.runtime.cuda_rt import SIM, Graph, device_pointer, event_done, gate, host_view
 
 
 TOKEN_RING = 4  # sampled-token slots: a forward launched ahead writes the next slot, not the one being read
@@ -24,7 +25,7 @@ TOKEN_RING = 4  # sampled-token slots: a forward launched ahead writes the next 
 class Mailbox:
     """Mapped host buffers shared with the GPU, sized for ntok_max tokens."""
 
-    def __init__(self, ntok_max: int, n_embd: int, k: int):
+    def __init__(self, ntok_max: int, n_embd: int, k: int, n_layer: int = 1):
         self._x = cuda.mapped_array((ntok_max, n_embd), np.float32)  # GPU -> host: the MoE input
         self._ids = cuda.mapped_array((ntok_max, max(k, 1)), np.int32)
         self._wts = cuda.mapped_array((ntok_max, max(k, 1)), np.float32)
@@ -34,9 +35,54 @@ class Mailbox:
         self._tokens = cuda.mapped_array(TOKEN_RING, np.int32)  # GPU -> host: the token sampled by forward seq
         self.x, self.ids, self.wts, self.slot, self.seq, self.y, self.tokens = (
             host_view(a) for a in (self._x, self._ids, self._wts, self._slot, self._seq, self._y, self._tokens))
+        self._gates = cuda.mapped_array(max(n_layer, 1) + 1, np.uint32)  # host -> GPU: one per layer, + a probe
+        self.gates = host_view(self._gates)
         self.seq[0] = 0
         self.y[:] = 0.0
         self.tokens[:] = 0
+        self.gates[:] = 0
+
+    def gate_op(self, layer: int) -> Callable[[Any], None]:
+        """The op (stream -> None) that holds the work after it until open(layer), then closes the gate again."""
+        addr = device_pointer(self._gates, layer)
+        return lambda st: gate(st, addr)
+
+    def open(self, layer: int) -> None:
+        """Let the GPU past the layer's gate (after the pool's sum is written: x86 stores are seen in order)."""
+        self.gates[layer] = 1
+
+    def release(self, stream, timeout_s: float) -> None:
+        """After an error mid-forward: open every gate so that the work already queued behind one drains, wait
+        for the stream (bounded), then close them all."""
+        self.gates[:-1] = 1
+        ev = cuda.event()
+        ev.record(stream)
+        _bounded(lambda: event_done(ev), timeout_s, "the GPU to drain after an error")
+        self.gates[:] = 0
+
+    def gates_work(self, stream, timeout_s: float) -> bool:
+        """Can this device hold work behind a gate, in a captured graph? Captures one with the probe word's gate,
+        opens it, replays it and checks that the device closed it again (bounded). False where the driver or
+        the simulator lacks stream memory operations."""
+        if SIM:
+            return False
+        p = len(self.gates) - 1
+        try:
+            g = Graph(self.gate_op(p), stream, "gate probe")
+        except Exception:
+            return False
+        try:
+            self.gates[p] = 1
+            g.launch(stream)
+            ev = cuda.event()
+            ev.record(stream)
+            _bounded(lambda: event_done(ev), timeout_s, "the gate probe")
+            return int(self.gates[p]) == 0
+        except Exception:
+            return False
+        finally:
+            self.gates[p] = 0
+            g.close()
 
     @property
     def device(self) -> dict[str, Any]:
@@ -71,3 +117,11 @@ class Mailbox:
                     tick()
                     next_tick = time.perf_counter() + tick_s
         return time.perf_counter() - t0
+
+
+def _bounded(done: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.perf_counter() + timeout_s
+    while not done():
+        if time.perf_counter() > deadline:
+            raise StrataError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(1e-4)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -213,7 +214,7 @@ class GPUBackend:
         mult, self.mscale = kops.rope_mult(r.n_rot, r.base, r.freq_scale, r.ext_factor, corr[0], corr[1],
                                            self.w.rope_freqs.astype(np.float64), r.attn_factor)
         self.mult = cuda.to_device(np.ascontiguousarray(mult, np.float64))
-        self.mb = Mailbox(tm, s.n_embd, k)
+        self.mb = Mailbox(tm, s.n_embd, k, s.n_layer)
         # the CPU pool's views of the mailbox as exact ndarrays (numba types a subclass slowly on every call); the
         # base method: on a GPU the mapped array is also a device array, whose own view() means a device view
         self._px, self._pids, self._pwts, self._pslot, self._py = (
@@ -237,9 +238,14 @@ class GPUBackend:
             self._pfree = {l for l, n in self.cache.slots.items() if n > 0}
         # while the doorbell thread waits for the GPU, the CPU pool's OpenMP workers are kept from falling asleep
         self._tick = None
+        self._gated = False  # hybrid layers' post-pool work queued behind gates, launched ahead (doorbell.py)
         if self.cache is not None and len(self._full) < len(self.cache.slots):
             buf = np.zeros(max(numba.config.NUMBA_NUM_THREADS, 1), np.int64)
             self._tick = lambda: cops.touch_threads(buf)
+            # off by default: on the H200 gates took 25% from 54.0 to 57.1 tok/s but 50% from 66.6 to 52.2 (the
+            # CPU pool slower, not understood yet; bench/results/hybrid_q30-Q4_K_M.md)
+            self._gated = os.environ.get("STRATA_NB_GATES", "0") == "1" and self.mb.gates_work(self.stream,
+                                                                                                self.timeout_s)
         self.sampler = self._gpu_sampler(SamplerConfig(seed=0))
         self._bound_sampler: Sampler | None = None
         self._dev_pos = 0  # the device's position after everything launched
@@ -358,7 +364,10 @@ class GPUBackend:
                 ops.append(lambda st: kops.add(self.x, self.sy, T, st))
             else:
                 ops += self._linear(L["shexp_down"], self.sh, self.x, T, accumulate=True)
-        after = [lambda st: kops.add(self.x, self.mb.device["y"], T, st)] if hybrid else []
+        after: list[Op] = []
+        if hybrid:  # the pool's sum into the residual stream (behind the layer's gate where there are gates)
+            after = [self.mb.gate_op(l)] if self._gated else []
+            after.append(lambda st: kops.add(self.x, self.mb.device["y"], T, st))
         return ops, after, hybrid
 
     def _program(self, T: int, tokens, tail: str, all_logits: bool = False) -> list[_Segment]:
@@ -409,6 +418,8 @@ class GPUBackend:
                                self._py, self.cache.counts if counting else self._ptally[0],
                                stats.routed if late else self._ptally[1])
         dt = time.perf_counter() - t0
+        if self._gated:  # the GPU goes on now; the bookkeeping below overlaps it
+            self.mb.open(layer)
         if ng and counting and layer in self._pfree:
             self.cache.admit(layer, self.cpu.missed(ng))
             if (self.cache.slot_expert[layer] != -1).all():
@@ -426,21 +437,38 @@ class GPUBackend:
         return dt
 
     def _execute(self, segs: list[_Segment], T: int, stats: HybridStats | None) -> None:
+        """Run a forward's segments: each hybrid layer's CPU pool between its segment and the next. With gates and
+        captured graphs the next segment is launched before the pool runs (it waits on the device for the layer's
+        gate), so the launch overlaps the GPU and the GPU resumes as soon as the pool's sum is written; otherwise
+        after it (its gate already open). Never ahead of direct launches: a kernel's first launch loads its
+        module (CUDA's lazy loading), which waits for the device to idle, behind a gate only this thread opens."""
         t0 = time.perf_counter()
         wait = cpu = last = launch = glue = 0.0
-        for seg in segs:
-            t1 = time.perf_counter()
-            seg.launch(self.stream)
-            launch += time.perf_counter() - t1
-            self._seq += 1
-            if seg.doorbell is not None:
-                wait += self.mb.wait(self._seq, self.timeout_s, f"the routing of layer {seg.doorbell}", self._tick)
+        ahead = 1 if self._gated and segs[0].graph is not None else 0
+        try:
+            for i in range(min(ahead, len(segs) - 1) + 1):
                 t1 = time.perf_counter()
-                dt = self._cpu_pool(seg.doorbell, T, stats)
-                cpu += dt
-                glue += time.perf_counter() - t1 - dt
-            else:
-                last += self.mb.wait(self._seq, self.timeout_s, "the end of the forward", self._tick)
+                segs[i].launch(self.stream)
+                launch += time.perf_counter() - t1
+            for i, seg in enumerate(segs):
+                self._seq += 1
+                if seg.doorbell is not None:
+                    wait += self.mb.wait(self._seq, self.timeout_s, f"the routing of layer {seg.doorbell}",
+                                         self._tick)
+                    t1 = time.perf_counter()
+                    dt = self._cpu_pool(seg.doorbell, T, stats)
+                    cpu += dt
+                    glue += time.perf_counter() - t1 - dt
+                else:
+                    last += self.mb.wait(self._seq, self.timeout_s, "the end of the forward", self._tick)
+                if i + 1 + ahead < len(segs):
+                    t1 = time.perf_counter()
+                    segs[i + 1 + ahead].launch(self.stream)
+                    launch += time.perf_counter() - t1
+        except BaseException:
+            if self._gated:  # work queued behind a gate that will never be opened: let it drain, then report
+                self.mb.release(self.stream, self.timeout_s)
+            raise
         self._dev_pos += T
         t1 = time.perf_counter()
         if self.cache is not None and not self._warming:
