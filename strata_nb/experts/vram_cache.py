@@ -88,26 +88,29 @@ class CacheStats:
 
 
 class _Staging:
-    """A ring of pinned host buffers for host-to-device copies, each reused once its last copy has finished."""
+    """A ring of pinned host buffers for host-to-device copies (the driver stages a pageable source synchronously),
+    each reused once its last copy has finished."""
 
-    def __init__(self, n: int, nbytes: int, timeout_s: float):
-        self.bufs = [cuda.pinned_array(max(nbytes, 1), np.uint8) for _ in range(n)]
+    def __init__(self, n: int, shape, dtype, timeout_s: float, what: str):
+        self.bufs = [cuda.pinned_array(shape, dtype) for _ in range(n)]
         self.events: list = [None] * n
         self.turn = 0
-        self.timeout_s = timeout_s
+        self.timeout_s, self.what = timeout_s, what
 
-    def copy(self, dst, fill: Callable[[np.ndarray], None], nbytes: int, stream) -> None:
-        """fill(host buffer) writes nbytes, which are then copied to the device array dst on stream."""
+    def copy(self, dst, fill: Callable[[np.ndarray], None], stream, n: int | None = None):
+        """fill(host buffer, or its first n elements) writes what is then copied to the device array dst on
+        stream; returns an event recorded after the copy."""
         i = self.turn
         self.turn = (i + 1) % len(self.bufs)
         if self.events[i] is not None:
-            _wait_event(self.events[i], self.timeout_s, "a copy into VRAM")
-        host = self.bufs[i][:nbytes]
+            _wait_event(self.events[i], self.timeout_s, self.what)
+        host = self.bufs[i] if n is None else self.bufs[i][:n]
         fill(host)
         dst.copy_to_device(host, stream=stream)
         ev = cuda.event()
         ev.record(stream)
         self.events[i] = ev
+        return ev
 
 
 def _wait_event(ev, timeout_s: float, what: str) -> None:
@@ -143,13 +146,11 @@ class VRAMCache:
         self.loading = np.zeros((n_layer, n_expert), bool)
         self.counts = np.zeros((n_layer, n_expert), np.float64)  # decayed routing counts
         self._tokens = 0
-        self._staging = [cuda.pinned_array(self.host_table.shape, np.int32) for _ in range(4)]
-        self._staging_ev = [None] * 4
-        self._turn = 0
+        self._table_staging = _Staging(4, self.host_table.shape, np.int32, timeout_s, "a VRAM slot-table upload")
         self._copy_stream = cuda.stream()
-        biggest = max((lay.slot_bytes for lay in self.layouts.values()), default=0)
-        self._fill_staging = _Staging(2, biggest, timeout_s)  # the load's copies
-        self._swap_staging = _Staging(2, biggest, timeout_s)  # the copier thread's
+        biggest = max(max((lay.slot_bytes for lay in self.layouts.values()), default=0), 1)
+        self._fill_staging = _Staging(2, biggest, np.uint8, timeout_s, "a copy into VRAM")  # the load's copies
+        self._swap_staging = _Staging(2, biggest, np.uint8, timeout_s, "a copy into VRAM")  # the copier thread's
         self._jobs: queue.Queue = queue.Queue()
         self._finished: list[tuple[int, int, int, object]] = []
         self._lock = threading.Lock()
@@ -179,7 +180,7 @@ class VRAMCache:
                 o = int(self.src.matrix(layer, k).offsets[expert])
                 host[m.offset:m.offset + m.nbytes] = self.src.buf[o:o + m.nbytes]
 
-        staging.copy(self.bufs[layer][slot], gather, lay.slot_bytes, stream)
+        staging.copy(self.bufs[layer][slot], gather, stream, lay.slot_bytes)
         self.stats.copied_bytes += lay.slot_bytes
 
     def _copy_loop(self) -> None:
@@ -207,18 +208,12 @@ class VRAMCache:
         self._jobs.put((layer, slot, expert, after))
 
     def _upload(self, stream):
-        """Copy the host table to the device table on the compute stream (through a ring of pinned buffers, each
-        reused only once its last copy is done); returns an event after the copy."""
-        i = self._turn
-        self._turn = (i + 1) % len(self._staging)
-        if self._staging_ev[i] is not None:
-            _wait_event(self._staging_ev[i], self.timeout_s, "a VRAM slot-table upload")
-        self._staging[i][:] = self.host_table
-        self.table.copy_to_device(self._staging[i], stream=stream)
-        ev = cuda.event()
-        ev.record(stream)
-        self._staging_ev[i] = ev
-        return ev
+        """Copy the host table to the device table on the compute stream; returns an event after the copy."""
+
+        def fill(host: np.ndarray) -> None:
+            host[:] = self.host_table
+
+        return self._table_staging.copy(self.table, fill, stream)
 
     # -- placement ------------------------------------------------------------------------------------------
     def fill(self, stream, progress: Callable[[int, int], None] | None = None) -> None:

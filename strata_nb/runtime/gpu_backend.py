@@ -41,7 +41,7 @@ from strata_nb.model.weights import Linear, ModelWeights
 from strata_nb.runtime.cpu_backend import CPUBackend
 from strata_nb.runtime.cuda_rt import SIM, Graph
 from strata_nb.runtime.doorbell import Mailbox
-from strata_nb.runtime.gpu_sampler import GPUSampler
+from strata_nb.runtime.gpu_sampler import GPUSampler, checked_token
 from strata_nb.runtime.sampler import Sampler, SamplerConfig
 from strata_nb.runtime.session import Session
 
@@ -560,10 +560,7 @@ class GPUBackend:
 
     def _sampled(self, seq: int) -> int:
         """The token sampled by forward seq (from the mailbox's ring)."""
-        tok = self.mb.token(seq)
-        if tok < 0:
-            raise StrataError("logits contain NaN or +inf, or all are -inf")
-        return tok
+        return checked_token(self.mb.token(seq))
 
     def _drain(self) -> None:
         """Finish a forward launched ahead that was not asked for (the caller stopped or changed course). Its KV

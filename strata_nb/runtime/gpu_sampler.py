@@ -93,12 +93,16 @@ class GPUSampler:
 
     def result(self) -> int:
         """The last sampled token (after the launch's stream has synchronized)."""
-        t = int(self.token_host[0])
-        if t < 0:
-            raise StrataError("logits contain NaN or +inf, or all are -inf")
-        return t
+        return checked_token(int(self.token_host[0]))
 
     @property
     def step(self) -> int:
         """Samples taken so far (reads the device: not for the decode path)."""
         return int(self.state.copy_to_host()[ks.ST_STEP])
+
+
+def checked_token(t: int) -> int:
+    """A token id the device sampler wrote; its -1 (NaN or +inf logits, or all -inf) is an error."""
+    if t < 0:
+        raise StrataError("logits contain NaN or +inf, or all are -inf")
+    return t
