@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,7 +27,7 @@ from strata_nb.errors import StrataError
 from strata_nb.experts.profile import RoutingProfile
 from strata_nb.experts.source import ExpertSource
 from strata_nb.experts.store import KINDS
-from strata_nb.runtime.cuda_rt import event_done, stream_wait
+from strata_nb.runtime.cuda_rt import event_done, stream_wait, wait_event
 
 _ALIGN = 256  # matrix offsets inside a slot: aligned for wide loads
 
@@ -103,7 +102,7 @@ class _Staging:
         i = self.turn
         self.turn = (i + 1) % len(self.bufs)
         if self.events[i] is not None:
-            _wait_event(self.events[i], self.timeout_s, self.what)
+            wait_event(self.events[i], self.timeout_s, self.what)
         host = self.bufs[i] if n is None else self.bufs[i][:n]
         fill(host)
         dst.copy_to_device(host, stream=stream)
@@ -111,14 +110,6 @@ class _Staging:
         ev.record(stream)
         self.events[i] = ev
         return ev
-
-
-def _wait_event(ev, timeout_s: float, what: str) -> None:
-    deadline = time.perf_counter() + timeout_s
-    while not event_done(ev):
-        if time.perf_counter() > deadline:
-            raise StrataError(f"{what} did not finish within {timeout_s:g} s")
-        time.sleep(0.0002)
 
 
 class VRAMCache:

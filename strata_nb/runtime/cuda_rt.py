@@ -7,10 +7,12 @@
   computation, so the tests exercise the same code path.
 - gate(): a stream-ordered wait on a word of mapped host memory that the host sets (the GPU's front end polls it;
   no kernel spins), so work queued behind it starts when the host says, without a launch from the host.
-- host_view(): the numpy view of a mapped (zero-copy) array; event_done(): a non-blocking event query.
+- host_view(): the numpy view of a mapped (zero-copy) array; event_done(): a non-blocking event query;
+  wait_event(): a bounded host wait on one.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
@@ -63,6 +65,16 @@ def host_view(mapped) -> np.ndarray:
 def event_done(ev) -> bool:
     """Has the work before ev.record() finished? (The simulator runs everything synchronously.)"""
     return True if SIM else bool(ev.query())
+
+
+def wait_event(ev, timeout_s: float, what: str) -> None:
+    """Wait on the host until the work before ev.record() has finished: polled, bounded by timeout_s (an error
+    naming what was awaited, never a hang)."""
+    deadline = time.perf_counter() + timeout_s
+    while not event_done(ev):
+        if time.perf_counter() > deadline:
+            raise StrataError(f"{what} did not finish within {timeout_s:g} s")
+        time.sleep(0.0002)
 
 
 def stream_wait(stream, ev) -> None:

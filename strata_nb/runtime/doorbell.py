@@ -16,7 +16,7 @@ import numpy as np
 from numba import cuda
 
 from strata_nb.errors import StrataError
-from strata_nb.runtime.cuda_rt import SIM, Graph, device_pointer, event_done, gate, host_view
+from strata_nb.runtime.cuda_rt import SIM, Graph, device_pointer, gate, host_view, wait_event
 
 
 TOKEN_RING = 4  # sampled-token slots: a forward launched ahead writes the next slot, not the one being read
@@ -57,7 +57,7 @@ class Mailbox:
         self.gates[:-1] = 1
         ev = cuda.event()
         ev.record(stream)
-        _bounded(lambda: event_done(ev), timeout_s, "the GPU to drain after an error")
+        wait_event(ev, timeout_s, "the GPU's drain after an error")
         self.gates[:] = 0
 
     def gates_work(self, stream, timeout_s: float) -> bool:
@@ -76,7 +76,7 @@ class Mailbox:
             g.launch(stream)
             ev = cuda.event()
             ev.record(stream)
-            _bounded(lambda: event_done(ev), timeout_s, "the gate probe")
+            wait_event(ev, timeout_s, "the gate probe")
             return int(self.gates[p]) == 0
         except Exception:
             return False
@@ -118,10 +118,3 @@ class Mailbox:
                     next_tick = time.perf_counter() + tick_s
         return time.perf_counter() - t0
 
-
-def _bounded(done: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.perf_counter() + timeout_s
-    while not done():
-        if time.perf_counter() > deadline:
-            raise StrataError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(1e-4)
