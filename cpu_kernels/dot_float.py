@@ -5,6 +5,9 @@ Rows arrive as uint8 bytes (the weight is a uint8 view of the GGUF). Elements ar
 1-element loop for lengths that are not a multiple of 32. The dot fmas into 4 independent <32 x float>
 accumulators and prefetches PREFETCH_BYTES ahead, since weight rows stream from DRAM. Float weights have no
 int8 path: their dot_f32 is also their fast path.
+
+fdot / fdot_at: the float32 dot of two float32 vectors for the op kernels (rmsnorm, attention scores), in one fixed
+summation order, so a result does not depend on how (or in which process) its caller was compiled.
 """
 from __future__ import annotations
 
@@ -173,3 +176,75 @@ def dot_f32_f16(w, x):
 @njit(cache=True, nogil=True)
 def dot_f32_bf16(w, x):
     return _ir_dot(w, x, _length(w.size, x.size, 2), BF16)
+
+
+# fdot: FDOT_ACCS accumulators of <FDOT_W x float>, plain fmul + fadd (no fast-math flags, so LLVM may neither
+# reassociate nor contract them): one summation order for every caller, target and compile (fresh or cached).
+FDOT_W = 16
+FDOT_ACCS = 4  # a power of two (the pairwise end)
+
+
+def _fdot_ir(b: ir.IRBuilder, ap: ir.Value, bp: ir.Value, n: ir.Value) -> ir.Value:
+    """sum(a[i] * b[i], i < n) of float pointers ap, bp: blocks of FDOT_ACCS * FDOT_W elements, one accumulator
+    per FDOT_W-vector of a block; then the remaining whole vectors into accumulator 0; then the last n % FDOT_W
+    elements into a scalar. The end: ((acc0 + acc1) + (acc2 + acc3)), halved horizontally, + the scalar."""
+    vt = _vec(_F32, FDOT_W)
+    accs = [cgutils.alloca_once_value(b, ir.Constant(vt, None)) for _ in range(FDOT_ACCS)]
+    tail = cgutils.alloca_once_value(b, ir.Constant(_F32, 0.0))
+
+    def vstep(i, acc):
+        av = b.load(b.bitcast(b.gep(ap, [i]), vt.as_pointer()), align=4)
+        bv = b.load(b.bitcast(b.gep(bp, [i]), vt.as_pointer()), align=4)
+        b.store(b.fadd(b.load(acc), b.fmul(av, bv)), acc)
+
+    per = FDOT_ACCS * FDOT_W
+    n_blk = b.mul(b.udiv(n, ir.Constant(_I64, per)), ir.Constant(_I64, per))
+    n_vec = b.mul(b.udiv(n, ir.Constant(_I64, FDOT_W)), ir.Constant(_I64, FDOT_W))
+    with cgutils.for_range_slice(b, ir.Constant(_I64, 0), n_blk, ir.Constant(_I64, per), _I64) as (i0, _):
+        for k in range(FDOT_ACCS):
+            vstep(b.add(i0, ir.Constant(_I64, k * FDOT_W)), accs[k])
+    with cgutils.for_range_slice(b, n_blk, n_vec, ir.Constant(_I64, FDOT_W), _I64) as (i, _):
+        vstep(i, accs[0])
+    with cgutils.for_range_slice(b, n_vec, n, ir.Constant(_I64, 1), _I64) as (i, _):
+        x = b.fmul(b.load(b.gep(ap, [i])), b.load(b.gep(bp, [i])))
+        b.store(b.fadd(b.load(tail), x), tail)
+    a = [b.load(acc) for acc in accs]
+    while len(a) > 1:  # pairwise: ((acc0 + acc1) + (acc2 + acc3))
+        a = [b.fadd(a[k], a[k + 1]) for k in range(0, len(a), 2)]
+    return b.fadd(_hsum(b, a[0]), b.load(tail))
+
+
+def _check_f32_c(name, arr):
+    if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.layout == "C"):
+        raise TypeError(f"fdot: {name} must be a C-contiguous float32 array, got {arr}")
+
+
+@intrinsic
+def fdot_at(typingctx, a, ia, b, ib, n):
+    """sum(a.flat[ia + i] * b.flat[ib + i] for i < n) in fdot's fixed order; a, b C-contiguous float32 arrays of
+    any rank (a row of a cache by its flat offset: no view, so no reference counting per row). Unchecked: the
+    caller keeps ia + n and ib + n within the arrays (no raise: it would serialize a prange body)."""
+    _check_f32_c("a", a)
+    _check_f32_c("b", b)
+    sig = types.float32(a, types.intp, b, types.intp, types.intp)
+
+    def codegen(context, builder, sig, args):
+        ap = builder.gep(array_ptr(context, builder, sig.args[0], args[0], _F32), [args[1]])
+        bp = builder.gep(array_ptr(context, builder, sig.args[2], args[2], _F32), [args[3]])
+        return _fdot_ir(builder, ap, bp, args[4])
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def fdot(a, b, n):
+    """sum(a[i] * b[i] for i < n) of C-contiguous float32 vectors in a fixed order (see fdot_at)."""
+    return fdot_at(a, 0, b, 0, n)
+
+
+@njit(cache=True, nogil=True)
+def fdot_f32(a, b):
+    """fdot of two whole float32 vectors of one length, checked (a Python entry point: tests, references)."""
+    if a.size != b.size:
+        raise ValueError("fdot_f32: vectors of different lengths")
+    return fdot_at(a, 0, b, 0, a.size)

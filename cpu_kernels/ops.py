@@ -1,4 +1,9 @@
-"""Elementwise and attention kernels on float32 arrays: norms, rope, attention, activations, routing."""
+"""Elementwise and attention kernels on float32 arrays: norms, rope, attention, activations, routing.
+
+No fastmath here: with it LLVM reassociates float sums differently in a fresh compile and in a kernel loaded from
+numba's cache (1 ulp, which the int8 activations amplify), so logits depended on the cache. Long float sums go
+through dot_float.fdot (vectorized in one fixed order); the rest is in source order.
+"""
 from __future__ import annotations
 
 import math
@@ -7,27 +12,26 @@ import numpy as np
 from numba import njit, prange
 
 from strata_nb.cpu_kernels.actq import quantize_row, quantize_rows
+from strata_nb.cpu_kernels.dot_float import fdot, fdot_at
 
 
-@njit(cache=True, nogil=True, fastmath=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _rmsnorm_row(x, w, eps, out):
     d = x.shape[0]
-    ss = np.float32(0.0)
-    for i in range(d):
-        ss += x[i] * x[i]
+    ss = fdot(x, x, d)
     inv = np.float32(1.0) / np.float32(math.sqrt(ss / d + eps))
     for i in range(d):
         out[i] = x[i] * inv * w[i]
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@njit(cache=True, parallel=True)
 def rmsnorm(x, w, eps, out):
     """out[t] = x[t] / rms(x[t]) * w over the last axis; x f32[N, D] (rows may be heads)."""
     for t in prange(x.shape[0]):
         _rmsnorm_row(x[t], w, eps, out[t])
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@njit(cache=True, parallel=True)
 def rmsnorm_quant(x, w, eps, out, xq, xd, xs):
     """rmsnorm into out, and out quantized to int8 (actq layout) in the same pass: one kernel call, not two."""
     for t in prange(x.shape[0]):
@@ -59,8 +63,7 @@ def rope_tables(positions, n_rot, base, freq_scale, ext_factor, attn_factor, cor
 
 @njit(cache=True, nogil=True)
 def _rope_head(x, cos, sin, neox):
-    """Rotate one head x f32[head_dim] in place by cos/sin f32[n_rot/2] (not inlined: one compiled rotation, so
-    every caller rounds alike whatever its fastmath flags)."""
+    """Rotate one head x f32[head_dim] in place by cos/sin f32[n_rot/2]."""
     half = cos.shape[0]
     for i in range(half):
         if neox:
@@ -95,17 +98,15 @@ def kv_write(kc, vc, k, v, pos0):
                 vc[h, pos0 + t, i] = v[t, h, i]
 
 
-@njit(nogil=True, fastmath=True, inline="always")
+@njit(nogil=True, inline="always")
 def _attend(q, kc, vc, kvh, n, scale, out):
     """out f32[hd] = softmax(scale * K q) V over cache positions 0..n-1 of KV head kvh; q f32[hd]."""
     hd = q.shape[0]
+    row0 = kvh * kc.shape[1]
     s = np.empty(n, np.float32)
     m = np.float32(-np.inf)
     for j in range(n):
-        acc = np.float32(0.0)
-        for i in range(hd):
-            acc += q[i] * kc[kvh, j, i]
-        acc *= scale
+        acc = fdot_at(q, 0, kc, (row0 + j) * hd, hd) * scale
         s[j] = acc
         if acc > m:
             m = acc
@@ -123,7 +124,7 @@ def _attend(q, kc, vc, kvh, n, scale, out):
             out[i] += p * vc[kvh, j, i]
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@njit(cache=True, parallel=True)
 def attention(q, kc, vc, pos0, scale, out):
     """Causal GQA attention: token t (position pos0+t) of q f32[T, H, hd] sees cache positions 0..pos0+t.
 
@@ -137,7 +138,7 @@ def attention(q, kc, vc, pos0, scale, out):
         _attend(q[t, h], kc, vc, h // group, pos0 + t + 1, scale, out[t, h])
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True)
 def silu_mul_row(g, u, out):
     """out = silu(g) * u over one row: a function of its own (not inlined) so every caller gets the same code."""
     for i in range(g.shape[0]):
@@ -275,11 +276,10 @@ def moe_split(ids, slot, ntok, layer, plan, tally_a, tally_b, tally_c):
     return g, hits
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True)
 def combine_cols(y, wts, entry_tok, entry_slot, n, ntok, out, c0, c1):
     """out[t, c0:c1] = the sum of wts[t, slot] * y[entry, c0:c1] over the first n entries that are token t's (in
-    entry order: deterministic), for tokens 0..ntok-1. Not inlined: one compiled sum, so every caller rounds alike
-    (fastmath fuses the multiply-add) whatever its own flags. 2-D indexing: a row view costs a reference count
+    entry order: deterministic), for tokens 0..ntok-1. 2-D indexing: a row view costs a reference count
     on the array's owner per entry, shared by every thread."""
     for t in range(ntok):
         for i in range(c0, c1):
@@ -303,7 +303,7 @@ def moe_combine(y, wts, entry_tok, entry_slot, out):
 QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_FULL = 0, 1, 2
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@njit(cache=True, parallel=True)
 def attention_block(q, k, v, q_norm, k_norm, qk_norm, eps, cos, sin, neox, kc, vc, pos0, scale, out):
     """Everything between the Q/K/V projections and the output projection, in one compiled call.
 
