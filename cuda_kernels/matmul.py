@@ -122,16 +122,32 @@ def _dot_rows(qtype: int, word: int, rows: int):
                     a -= mn[i] * sx[i]
             acc[ao + o] = a
 
-    @cuda.jit(**_DEV)
-    def dot_rows(w8, wv, wh, base, rb, r0, last, u0, u1, xs, xoff, q, s, mn, xv, sx, acc, ao):
-        # Two units per step: their loads are independent, so a warp has twice the bytes in flight.
-        u = u0 + (cuda.threadIdx.x & LANE_MASK)
-        while u + LANES < u1:
-            unit_dot(w8, wv, wh, base, rb, u, r0, last, xs, xoff, q, s, mn, xv, sx, acc, ao)
-            unit_dot(w8, wv, wh, base, rb, u + LANES, r0, last, xs, xoff, q, s, mn, xv, sx, acc, ao)
-            u += 2 * LANES
-        if u < u1:
-            unit_dot(w8, wv, wh, base, rb, u, r0, last, xs, xoff, q, s, mn, xv, sx, acc, ao)
+    if rows <= 2:
+        @cuda.jit(**_DEV)
+        def dot_rows(w8, wv, wh, base, rb, r0, last, u0, u1, xs, xoff, q, s, mn, xv, sx, acc, ao):
+            # Four units per step (straight-line code: the compiler issues all their loads in one memory round,
+            # and a row of 2048 is then one step)
+            u = u0 + (cuda.threadIdx.x & LANE_MASK)
+            while u + 3 * LANES < u1:
+                unit_dot(w8, wv, wh, base, rb, u, r0, last, xs, xoff, q, s, mn, xv, sx, acc, ao)
+                unit_dot(w8, wv, wh, base, rb, u + LANES, r0, last, xs, xoff, q, s, mn, xv, sx, acc, ao)
+                unit_dot(w8, wv, wh, base, rb, u + 2 * LANES, r0, last, xs, xoff, q, s, mn, xv, sx, acc, ao)
+                unit_dot(w8, wv, wh, base, rb, u + 3 * LANES, r0, last, xs, xoff, q, s, mn, xv, sx, acc, ao)
+                u += 4 * LANES
+            while u < u1:
+                unit_dot(w8, wv, wh, base, rb, u, r0, last, xs, xoff, q, s, mn, xv, sx, acc, ao)
+                u += LANES
+    else:
+        @cuda.jit(**_DEV)
+        def dot_rows(w8, wv, wh, base, rb, r0, last, u0, u1, xs, xoff, q, s, mn, xv, sx, acc, ao):
+            # Two units per step of `rows` rows each (more would not fit in registers)
+            u = u0 + (cuda.threadIdx.x & LANE_MASK)
+            while u + LANES < u1:
+                unit_dot(w8, wv, wh, base, rb, u, r0, last, xs, xoff, q, s, mn, xv, sx, acc, ao)
+                unit_dot(w8, wv, wh, base, rb, u + LANES, r0, last, xs, xoff, q, s, mn, xv, sx, acc, ao)
+                u += 2 * LANES
+            if u < u1:
+                unit_dot(w8, wv, wh, base, rb, u, r0, last, xs, xoff, q, s, mn, xv, sx, acc, ao)
 
     _KERNELS[key] = dot_rows
     return dot_rows

@@ -247,16 +247,16 @@ def _scales_k4(wv, wh, word, base, g, s, mn):
     t4 = _ld16(wv, word, base, 4 + j0)
     t8 = _ld16(wv, word, base, 8 + j0)
     t12 = _ld16(wv, word, base, 12 + j0)
+    # g varies across a warp's lanes: a branch on it would split the unit into basic blocks, and the compiler does
+    # not hoist the next unit's loads across those (one memory round per unit instead of per several); a mask
+    # selects without branching
+    lo = uint32(0) - uint32(g < 2)
     for h in range(2):
         a = (t4 >> (8 * h)) & 0xFF
         b = (t8 >> (8 * h)) & 0xFF
         c = (t12 >> (8 * h)) & 0xFF
-        if g < 2:
-            sc = a & 63
-            mv = b & 63
-        else:
-            sc = (c & 15) | ((a >> 6) << 4)
-            mv = (c >> 4) | ((b >> 6) << 4)
+        sc = ((a & 63) & lo) | (((c & 15) | ((a >> 6) << 4)) & ~lo)
+        mv = ((b & 63) & lo) | (((c >> 4) | ((b >> 6) << 4)) & ~lo)
         s[2 * h] = d * _u2f(sc, _ZERO)
         s[2 * h + 1] = s[2 * h]
         mn[2 * h] = dmin * _u2f(mv, _ZERO)

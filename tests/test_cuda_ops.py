@@ -312,3 +312,30 @@ def test_attention_decode_shuffle_butterfly(monkeypatch, stream) -> None:
     want = np.empty((1, nh, hd), np.float32)
     cpu.attention(q.reshape(1, nh, hd), kc.astype(np.float32), vc.astype(np.float32), pos, np.float32(scale), want)
     np.testing.assert_allclose(out.copy_to_host().reshape(1, nh, hd), want, rtol=1e-5, atol=1e-5)
+
+
+def test_l2_prefetch_reads_one_byte_of_every_sector(stream) -> None:
+    """touch/touch_slots read byte 32s of their range for every 32-byte sector s (the XOR of those bytes is the
+    check: a skipped or doubled sector changes it), including odd sizes, odd offsets and experts without a slot."""
+    from strata_nb.cuda_kernels import prefetch as pf
+    r = rng(12)
+
+    def xor(b: np.ndarray) -> int:
+        return int(np.bitwise_xor.reduce(b[::32].astype(np.uint32))) if b.size else 0
+
+    for n in (1, 31, 32, 33, 1000, 4097):
+        w = r.integers(0, 256, n, dtype=np.uint8)
+        out = dev(np.zeros(1, np.uint32))
+        pf.touch(dev(w), out, stream)
+        assert int(out.copy_to_host()[0]) == xor(w), n
+    w2 = r.integers(0, 256, (3, 50), dtype=np.uint8)  # a 2-D matrix is read as its flat bytes
+    out = dev(np.zeros(1, np.uint32))
+    pf.touch(dev(w2), out, stream)
+    assert int(out.copy_to_host()[0]) == xor(w2.reshape(-1))
+    slots = r.integers(0, 256, (4, 202), dtype=np.uint8)
+    slot_of = np.array([2, -1, 0, 3, -1, 1, -1, -1], np.int32)
+    ids = np.array([[1, 3, 2]], np.int32)  # expert 1 has no slot; 3 -> slot 3, 2 -> slot 0
+    off, nb = 6, 101
+    out = dev(np.zeros(1, np.uint32))
+    pf.touch_slots(dev(slots), off, nb, dev(slot_of), dev(ids), out, stream)
+    assert int(out.copy_to_host()[0]) == xor(slots[3, off:off + nb]) ^ xor(slots[0, off:off + nb])

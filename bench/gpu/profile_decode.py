@@ -71,8 +71,8 @@ def main() -> None:
         n_layer = b.spec.n_layer
         for i, op in enumerate(ops):
             lab = label(op)
-            if "advance" in lab or "ring" in lab:
-                continue
+            if "advance" in lab or "ring" in lab or hasattr(op, "forks") or hasattr(op, "joins"):
+                continue  # the prefetch branch's fork and join only make sense inside a segment
             rows.append((i, lab, replay_us(op, st, a.reps, f"op {i}")))
         # the whole token as graph replays (position restored afterwards)
         pos = b.pos.copy_to_host()

@@ -32,6 +32,7 @@ from strata_nb.cuda_kernels import attention as katt
 from strata_nb.cuda_kernels import mailbox as kmb
 from strata_nb.cuda_kernels import matmul as kmm
 from strata_nb.cuda_kernels import ops as kops
+from strata_nb.cuda_kernels import prefetch as kpf
 from strata_nb.cuda_kernels import sample as ks
 from strata_nb.errors import StrataError
 from strata_nb.experts.store import ExpertStore
@@ -39,7 +40,7 @@ from strata_nb.experts.vram_cache import VRAMCache
 from strata_nb.model.spec import ModelSpec
 from strata_nb.model.weights import Linear, ModelWeights
 from strata_nb.runtime.cpu_backend import CPUBackend
-from strata_nb.runtime.cuda_rt import SIM, Graph
+from strata_nb.runtime.cuda_rt import SIM, Graph, stream_wait, sync_event
 from strata_nb.runtime.doorbell import Mailbox
 from strata_nb.runtime.gpu_sampler import GPUSampler, checked_token
 from strata_nb.runtime.sampler import Sampler, SamplerConfig
@@ -178,6 +179,11 @@ class GPUBackend:
     def _load(self, vram_slots, adapt_every, progress) -> None:
         s, w = self.spec, self.weights_for_device()
         self.stream = cuda.stream()
+        # Decode's L2 prefetch branch (cuda_kernels/prefetch.py) on a second stream; STRATA_NB_PREFETCH=0: none (A/B)
+        self._prefetch = os.environ.get("STRATA_NB_PREFETCH", "1") == "1"
+        self.side = cuda.stream()
+        self._fork_ev, self._join_ev = sync_event(), sync_event()
+        self._pf_out = cuda.to_device(np.zeros(1, np.uint32))
         self.dev = w
         tm, k = self.ntok_max, max(s.n_expert_used, 1)
         f32 = np.float32
@@ -334,8 +340,10 @@ class GPUBackend:
     def _ffn(self, l: int, T: int) -> tuple[list[Op], list[Op], bool]:
         """(ops up to and including the layer's GPU work, ops after the CPU's part, whether the host must act)."""
         s, L = self.spec, self.dev["layers"][l]
+        pf = T == 1 and self._prefetch
         if L["router"] is None:
-            ops = self._normed(L["ffn_norm"], [(L["ffn_gate"], self.fg), (L["ffn_up"], self.fu)], T)
+            ops = [self._prefetch_op(l)] if pf else []
+            ops += self._normed(L["ffn_norm"], [(L["ffn_gate"], self.fg), (L["ffn_up"], self.fu)], T)
             ops.append(lambda st: kops.swiglu(self.fg, self.fu, self.fh, T, st))
             ops += self._linear(L["ffn_down"], self.fh, self.x, T, accumulate=True)
             return ops, [], False
@@ -349,6 +357,8 @@ class GPUBackend:
         pub = (self.xn, table, self.mb.device, self.done, self.counter) if hybrid else None
         ops.append(lambda st: kops.route_topk(self.rl, k, bool(s.expert_norm), float(s.expert_weights_scale),
                                               self.ids, self.wts, T, st, publish=pub))
+        if pf:
+            ops.append(self._prefetch_op(l))
         if self.cache.slots.get(l, 0) > 0:
             buf, lay = self.cache.bufs[l], self.cache.layouts[l]
             g, u, d = lay.mats["gate"], lay.mats["up"], lay.mats["down"]
@@ -370,18 +380,55 @@ class GPUBackend:
             after.append(lambda st: kops.add(self.x, self.mb.device["y"], T, st))
         return ops, after, hybrid
 
+    def _prefetch_op(self, l: int) -> Op:
+        """A branch off the stream that brings into L2, while layer l computes, the down matrices of the experts
+        token 0 chose in layer l that have VRAM slots (l >= 0), then layer l + 1's dense matrices. It writes
+        nothing the forward reads; the segment joins it at its end (_join_op)."""
+        experts = None
+        if 0 <= l and self.cache is not None and self.cache.slots.get(l, 0) > 0:
+            d = self.cache.layouts[l].mats["down"]
+            experts = (self.cache.bufs[l], d.offset, d.nbytes, self._table[l])
+        mats = []
+        if l + 1 < self.spec.n_layer:
+            mats = [m.rows for m in self.dev["layers"][l + 1].values() if isinstance(m, _DLinear)]
+
+        def op(st):
+            self._fork_ev.record(st)
+            stream_wait(self.side, self._fork_ev)
+            if experts is not None:
+                kpf.touch_slots(experts[0], experts[1], experts[2], experts[3], self.ids, self._pf_out, self.side)
+            for w in mats:
+                kpf.touch(w, self._pf_out, self.side)
+            self._join_ev.record(self.side)
+        op.forks = True
+        return op
+
+    def _join_op(self) -> Op:
+        def op(st):
+            stream_wait(st, self._join_ev)
+        op.joins = True
+        return op
+
+    def _end_segment(self, segs: list[_Segment], ops: list[Op], doorbell: int | None) -> None:
+        """End a segment: the prefetch branch forked in it (if any) joins the stream first (a graph's captured
+        branches must rejoin before its capture ends)."""
+        if any(getattr(op, "forks", False) for op in ops):
+            ops = ops + [self._join_op()]
+        segs.append(_Segment(ops, doorbell))
+
     def _program(self, T: int, tokens, tail: str, all_logits: bool = False) -> list[_Segment]:
         """The segments of a forward of T tokens read from the device array `tokens`. tail: "logits" (head into
         self.logits), or "sample" (head, then the device sampler draws the next token)."""
         s, D = self.spec, self.dev
         segs: list[_Segment] = []
-        cur: list[Op] = [lambda st: kmm.embed(D["embd"].qtype, D["embd"].rows, tokens, self.x, T, st)]
+        cur: list[Op] = [self._prefetch_op(-1)] if T == 1 and self._prefetch else []
+        cur.append(lambda st: kmm.embed(D["embd"].qtype, D["embd"].rows, tokens, self.x, T, st))
         for l in range(s.n_layer):
             cur += self._attention(l, T)
             pre, post, hybrid = self._ffn(l, T)
             cur += pre
             if hybrid:
-                segs.append(_Segment(cur, l))
+                self._end_segment(segs, cur, l)
                 cur = list(post)
         out, eps = D["output"], float(s.rms_eps)
         if all_logits and T > 1:
@@ -400,7 +447,7 @@ class GPUBackend:
                                            self.mb.device["tokens"]))
         else:
             cur.append(lambda st: kmb.ring(self.counter, self.mb.device["seq"], st))
-        segs.append(_Segment(cur, None))
+        self._end_segment(segs, cur, None)
         return segs
 
     # -- running ------------------------------------------------------------------------------------------
