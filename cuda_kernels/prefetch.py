@@ -12,7 +12,7 @@ Launch helpers never allocate, copy or synchronize (they are captured into CUDA 
 """
 from __future__ import annotations
 
-from numba import config, cuda, uint32, uint64
+from numba import config, cuda, int32, uint32, uint64
 
 SIM = bool(config.ENABLE_CUDASIM)
 SECTOR_SHIFT = 5  # 32-byte L2 sectors
@@ -30,10 +30,11 @@ else:
     @cuda.jit(device=True)
     def _xor_out(out, acc):
         """One atomic per warp: the lanes' values XOR-reduced by shuffles first."""
+        v = int32(acc)  # numba's shuffles take signed integers
         for s in (16, 8, 4, 2, 1):
-            acc ^= cuda.shfl_xor_sync(0xFFFFFFFF, acc, s)
+            v ^= cuda.shfl_xor_sync(0xFFFFFFFF, v, s)
         if (cuda.threadIdx.x & 31) == 0:
-            cuda.atomic.xor(out, 0, acc)
+            cuda.atomic.xor(out, 0, uint32(v))
 
 
 @cuda.jit(device=True)

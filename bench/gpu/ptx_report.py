@@ -117,6 +117,9 @@ def main() -> None:
                   f32(32, 64, 128), 64, 8, 1, 64), "attention_partial")
     report(A._decode_reduce_k, (f32(32, 64), f32(32, 64), f32(32, 64, 128), i32(1), 64, f32(1, QD)),
            "attention_reduce")
+    from strata_nb.cuda_kernels import prefetch as P
+    report(P._touch_k, (u8, u32[:1]), "l2_touch")
+    report(P._touch_slots_k, (u8, 100, 0, 50, i32(128), i32(1, 8), u32[:1]), "l2_touch_slots")
 
 
 if __name__ == "__main__":
