@@ -179,8 +179,10 @@ class GPUBackend:
     def _load(self, vram_slots, adapt_every, progress) -> None:
         s, w = self.spec, self.weights_for_device()
         self.stream = cuda.stream()
-        # Decode's L2 prefetch branch (cuda_kernels/prefetch.py) on a second stream; STRATA_NB_PREFETCH=0: none (A/B)
-        self._prefetch = os.environ.get("STRATA_NB_PREFETCH", "1") == "1"
+        # Decode's L2 prefetch branch (cuda_kernels/prefetch.py) on a second stream, STRATA_NB_PREFETCH=1: off by
+        # default, as on the H200 it cost more than it saved (every expert in VRAM: 114.6 tok/s with it, 131.7
+        # without; bench/results/hybrid_q30-Q4_K_M.md)
+        self._prefetch = os.environ.get("STRATA_NB_PREFETCH", "0") == "1"
         self.side = cuda.stream()
         self._fork_ev, self._join_ev = sync_event(), sync_event()
         self._pf_out = cuda.to_device(np.zeros(1, np.uint32))
