@@ -111,8 +111,7 @@ def _generate(eng, toks: list[int], n_predict: int, sampler, dump_logits: str | 
     if banner:
         click.echo(banner, err=True)
     _echo_plan(eng)
-    _compile_notice()
-    eng.warm_up()  # the compile (or the load from numba's cache) is timed apart from the prompt
+    _warm_up(eng)
     dec = StreamDecoder(tok, lstrip_first=False)  # generated text continues the prompt, as llama.cpp prints it
     stop = set(tok.eog_ids)
 
@@ -131,12 +130,38 @@ def _generate(eng, toks: list[int], n_predict: int, sampler, dump_logits: str | 
         print_stats(eng, res)
 
 
-def _compile_notice() -> None:
+def _warm_up(eng) -> None:
+    """Compile the kernels (or load them from numba's cache) before the clocks start, on a line of its own:
+    "compiling kernels ... N s", counting up in place on a terminal while a first run compiles."""
+    import threading
+    import time
+
     from strata_nb._numba_env import kernels_cached
 
-    if not kernels_cached():
-        click.echo("compiling the numba kernels for this machine (first run only, takes a few minutes; "
-                   f"cached in {os.environ.get('NUMBA_CACHE_DIR')})", err=True)
+    cold = not kernels_cached()
+    what = "compiling kernels" if cold else "loading compiled kernels"
+    if cold:
+        click.echo(f"{what} for the quant types of this file (first run on this machine; cached in "
+                   f"{os.environ.get('NUMBA_CACHE_DIR')})", err=True)
+    done = threading.Event()
+    tty = sys.stderr.isatty()
+    t0 = time.perf_counter()
+
+    def tick() -> None:
+        while not done.wait(1.0):
+            click.echo(f"\r{what} ... {time.perf_counter() - t0:4.0f} s", nl=False, err=True)
+
+    ticker = threading.Thread(target=tick, daemon=True) if tty else None
+    if ticker is not None:
+        ticker.start()
+    try:
+        secs = eng.warm_up()
+    finally:
+        done.set()
+        if ticker is not None:
+            ticker.join()
+    cr = "\r" if tty else ""
+    click.echo(f"{cr}{what} ... {secs:.1f} s (not in the prompt or decode times)", err=True)
 
 
 def print_stats(eng, res) -> None:

@@ -103,7 +103,8 @@ def _fetch_add(typingctx, arr, i, v):
 
 def specialize(make):
     """make(*key) -> a numba dispatcher, built once per key (quant types and flags, plain ints and bools) and
-    memoized; numba's on-disk cache serves it in the next process. Returns the lookup, with .make kept."""
+    memoized; numba's on-disk cache serves it in the next process. Returns the lookup, with .make kept and
+    .built, the drivers built so far by key."""
     built = {}
 
     def get(*key):
@@ -113,6 +114,7 @@ def specialize(make):
         return f
 
     get.make = make
+    get.built = built
     return get
 
 

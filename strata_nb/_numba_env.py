@@ -51,6 +51,6 @@ def configure() -> None:
 
 
 def kernels_cached() -> bool:
-    """Whether compiled kernels for these sources are already in the cache (a first run compiles for minutes)."""
+    """Whether compiled kernels for these sources are in the cache at all (a first run compiles for ~30 s)."""
     d = os.environ.get("NUMBA_CACHE_DIR")
     return bool(d) and any(Path(d).rglob("*matmul*.nbi"))
