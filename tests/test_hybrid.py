@@ -73,15 +73,20 @@ def close(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / b.std())
 
 
-@pytest.mark.parametrize("slots,kv,gates", [(0, "f32", "0"), (2, "f32", "0"), (2, "f32", "1"), (4, "f32", "0"),
-                                            (2, "f16", "1")])  # none, half, all in VRAM; gates (doorbell.py)
-def test_hybrid_logits_match_cpu_engine(model, reference, slots, kv, gates, monkeypatch):
+@pytest.mark.parametrize("slots,kv,gates,prefetch", [(0, "f32", "0", "0"), (2, "f32", "0", "0"),
+                                                     (2, "f32", "1", "0"), (4, "f32", "0", "1"),
+                                                     (2, "f16", "1", "1")])
+def test_hybrid_logits_match_cpu_engine(model, reference, slots, kv, gates, prefetch, monkeypatch):
+    """None, half and all experts in VRAM; gates (doorbell.py) and the L2 prefetch branch (prefetch.py) on and
+    off: the same logits and tokens as the CPU engine."""
     ref, toks = reference
     monkeypatch.setenv("STRATA_NB_GATES", gates)
+    monkeypatch.setenv("STRATA_NB_PREFETCH", prefetch)
     eng = Engine(model, device="cuda", n_ctx=CTX, fast=False, vram_budget=budget_for(model, slots, kv), kv_type=kv)
     try:
         assert set(eng.gpu_plan.slots.values()) == {slots}
         assert eng.backend._gated == (gates == "1" and not SIM and slots < 4)  # gates exist on a GPU only
+        assert eng.backend._prefetch == (prefetch == "1")
         res = eng.generate(PROMPT, 3, SamplerConfig(temperature=0.0), keep_logits=True)
         got = np.concatenate(res.logits)
         assert got.shape == ref.shape

@@ -25,7 +25,7 @@ rc=$?; ts "pytest rc $rc"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log
 if [ "${BENCH_IF_PASSED:-0}" = 1 ] && [ "$rc" != 0 ]; then echo "tests failed: no probes, no benchmark"; pack; exit 1; fi
 if [ -n "${VARIANTS:-}" ]; then
     ts "matvec_variants $VARIANTS"
-    timeout -k 10 ${VARIANTS_S:-150} python3 bench/gpu/matvec_variants.py --variants "$VARIANTS" 2>&1 | grep -v -i warn | tee "$OUT/variants.log"
+    timeout -k 10 ${VARIANTS_S:-150} python3 bench/gpu/matvec_variants.py --variants "$VARIANTS" --copies ${VARIANTS_COPIES:-1} 2>&1 | grep -v -i warn | tee "$OUT/variants.log"
 fi
 if [ "${PROFILE_S:-100}" != 0 ]; then
     bash bench/gpu/synth.sh wait 60 smoke

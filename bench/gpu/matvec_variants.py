@@ -7,11 +7,15 @@ replaced; kernels compiled afresh, without the on-disk cache, whose key does not
 keeps the engine's own rule. Each kernel is timed alone,
 `reps` launches captured in one CUDA graph (as profile_decode.py), with random weight bytes (timing only: the
 values do not matter). A copy kernel reading the same bytes gives each shape's floor (launch + one pass over the
-bytes), and GB/s is against the bytes each kernel must read.
+bytes), and GB/s is against the bytes each kernel must read. `--copies N` (N > 1) gives every kernel N copies of its
+weights (N routings of the experts, over 128 experts' slots) and cycles through them launch by launch, so with
+N x the bytes well past the L2 (50 MB) each launch reads its weights from HBM, as a real token does; the default 1
+replays L2-resident weights.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -65,20 +69,24 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--variants", default="auto,4x4,4x2,8x1")
+    ap.add_argument("--copies", type=int, default=1, help="weight copies cycled launch by launch (16: HBM-cold)")
     a = ap.parse_args()
+    n = max(1, a.copies)
     rng = np.random.default_rng(0)
     st = cuda.stream()
     f32 = lambda *s: cuda.to_device(rng.standard_normal(s).astype(np.float32))  # noqa: E731
-    wq, wk, wv = rand_u8(rng, QD, row_bytes(Q4_K, D)), rand_u8(rng, KVD, row_bytes(Q4_K, D)), \
-        rand_u8(rng, KVD, row_bytes(Q6_K, D))
-    wo = rand_u8(rng, D, row_bytes(Q4_K, QD))
-    wr = rand_u8(rng, E, row_bytes(F32, D))
-    wr.copy_to_device(rng.standard_normal((E, D)).astype(np.float32).view(np.uint8))
+    wq = [rand_u8(rng, QD, row_bytes(Q4_K, D)) for _ in range(n)]
+    wk = [rand_u8(rng, KVD, row_bytes(Q4_K, D)) for _ in range(n)]
+    wv = [rand_u8(rng, KVD, row_bytes(Q6_K, D)) for _ in range(n)]
+    wo = [rand_u8(rng, D, row_bytes(Q4_K, QD)) for _ in range(n)]
+    wr = [rand_u8(rng, E, row_bytes(F32, D)) for _ in range(n)]
+    for w in wr:
+        w.copy_to_device(rng.standard_normal((E, D)).astype(np.float32).view(np.uint8))
     rbg, rbd = row_bytes(Q4_K, D), row_bytes(Q6_K, F)
     slot_bytes = 2 * F * rbg + D * rbd
     slots = rand_u8(rng, E, slot_bytes)
     slot_of = cuda.to_device(np.arange(E, dtype=np.int32))
-    ids = cuda.to_device(rng.choice(E, K, replace=False).astype(np.int32).reshape(1, K))
+    ids = [cuda.to_device(rng.choice(E, K, replace=False).astype(np.int32).reshape(1, K)) for _ in range(n)]
     wts = cuda.to_device(np.full((1, K), 0.125, np.float32))
     x, xn, nw = f32(1, D), f32(1, D), f32(D)
     q, kk, v, att, rl = f32(1, QD), f32(1, KVD), f32(1, KVD), f32(1, QD), f32(1, E)
@@ -89,25 +97,34 @@ def main() -> None:
     def mb(*arrs) -> float:
         return sum(int(np.prod(w.shape)) for w in arrs) / 1e6
 
+    def cycling(fn):
+        """fn(stream, copy) as fn(stream), the copy advancing at every call (every captured launch)."""
+        it = itertools.cycle(range(n))
+        return lambda s: fn(s, next(it))
+
     cases = {
-        "qkv+norm": (lambda s: mm.matvec([(Q4_K, wq, q, False), (Q4_K, wk, kk, False), (Q6_K, wv, v, False)], x, s,
-                                         norm=nw, eps=1e-6), mb(wq, wk, wv)),
-        "qkv": (lambda s: mm.matvec([(Q4_K, wq, q, False), (Q4_K, wk, kk, False), (Q6_K, wv, v, False)], x, s),
-                mb(wq, wk, wv)),
-        "o (accum)": (lambda s: mm.matvec([(Q4_K, wo, x, True)], att, s), mb(wo)),
-        "router+norm": (lambda s: mm.matvec([(F32, wr, rl, False)], x, s, norm=nw, eps=1e-6, x_out=xn), mb(wr)),
-        "gate_up x8": (lambda s: mm.moe_gate_up((Q4_K, 0, rbg), (Q4_K, F * rbg, rbg), slots, F, slot_of, ids, xn, h,
-                                                1, s), K * 2 * F * rbg / 1e6),
-        "down x8": (lambda s: mm.moe_down((Q6_K, 2 * F * rbg, rbd), slots, D, slot_of, ids, wts, h, out, 1, s),
-                    K * D * rbd / 1e6),
+        "qkv+norm": (cycling(lambda s, c: mm.matvec([(Q4_K, wq[c], q, False), (Q4_K, wk[c], kk, False),
+                                                      (Q6_K, wv[c], v, False)], x, s, norm=nw, eps=1e-6)),
+                     mb(wq[0], wk[0], wv[0])),
+        "qkv": (cycling(lambda s, c: mm.matvec([(Q4_K, wq[c], q, False), (Q4_K, wk[c], kk, False),
+                                                 (Q6_K, wv[c], v, False)], x, s)), mb(wq[0], wk[0], wv[0])),
+        "o (accum)": (cycling(lambda s, c: mm.matvec([(Q4_K, wo[c], x, True)], att, s)), mb(wo[0])),
+        "router+norm": (cycling(lambda s, c: mm.matvec([(F32, wr[c], rl, False)], x, s, norm=nw, eps=1e-6,
+                                                        x_out=xn)), mb(wr[0])),
+        "gate_up x8": (cycling(lambda s, c: mm.moe_gate_up((Q4_K, 0, rbg), (Q4_K, F * rbg, rbg), slots, F, slot_of,
+                                                            ids[c], xn, h, 1, s)), K * 2 * F * rbg / 1e6),
+        "down x8": (cycling(lambda s, c: mm.moe_down((Q6_K, 2 * F * rbg, rbd), slots, D, slot_of, ids[c], wts, h,
+                                                      out, 1, s)), K * D * rbd / 1e6),
     }
     floors = {}
     for name, (_, mbytes) in cases.items():
         n32 = int(mbytes * 1e6) // 4
-        buf = cuda.device_array(n32, np.uint32)
+        bufs = [cuda.device_array(n32, np.uint32) for _ in range(n)]
         grid = min(-(-n32 // 256), 132 * 16)
-        floors[name] = replay_us(lambda s, buf=buf, grid=grid: _touch[grid, 256, s](buf, sink), st, a.reps)
+        floors[name] = replay_us(cycling(lambda s, c, bufs=bufs, grid=grid: _touch[grid, 256, s](bufs[c], sink)),
+                                 st, a.reps)
     mm.cuda.jit = _jit_nocache  # variants differ in module constants the on-disk cache key does not hold
+    print(f"weights: {'L2-resident (one copy, replayed)' if n == 1 else f'{n} copies cycled (HBM-cold)'}")
     print(f"{'kernel':14s} {'MB':>6s} {'floor us':>9s} " + " ".join(f"{v:>14s}" for v in a.variants.split(",")))
     res = {}
     rule = mm._mv_shape

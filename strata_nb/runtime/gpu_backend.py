@@ -180,8 +180,8 @@ class GPUBackend:
         s, w = self.spec, self.weights_for_device()
         self.stream = cuda.stream()
         # Decode's L2 prefetch branch (cuda_kernels/prefetch.py) on a second stream, STRATA_NB_PREFETCH=1: off by
-        # default, as on the H200 it cost more than it saved (every expert in VRAM: 114.6 tok/s with it, 131.7
-        # without; bench/results/hybrid_q30-Q4_K_M.md)
+        # default: on the H200 its blocks held SM slots the decode kernels waited for (every expert in VRAM, one
+        # machine: 6.77 ms/token of GPU time with it, 6.01 without; bench/results/hybrid_q30-Q4_K_M.md)
         self._prefetch = os.environ.get("STRATA_NB_PREFETCH", "0") == "1"
         self.side = cuda.stream()
         self._fork_ev, self._join_ev = sync_event(), sync_event()
