@@ -7,8 +7,9 @@ bytes -> eight <32 x i8> vectors of u, o, the 16 per-group scales and mins) and 
 the row loops around it:
   dequant   w = s * q - m, stored (the same float32 operations in the same order as gguf-py: bit-exact)
   dot_f32   the same w in registers, fma into float32 accumulators (the accuracy reference)
-  dot_q8    integer dots of u with the int8 activations, four products per i32 lane: vpdpbusd (AVX512-VNNI),
-            vpmaddubsw + vpmaddwd (AVX2), or sign-extended even/odd pair sums (LLVM's vpmaddwd pattern)
+  dot_q8    integer dots of u with the int8 activations, four products per i32 lane: vpmaddubsw + vpmaddwd
+            against the group scales (AVX2, AVX-512 machines included: vpdpbusd would need the scales applied
+            to its i32 sums separately), or sign-extended even/odd pair sums (LLVM's vpmaddwd pattern)
             elsewhere, chosen for the CPU numba targets. Each group's sum is scaled by s * xd in float32; the
             min and the offset (s * o) are one vector fma per super-block against the exact float sums of x
             per 16 (actq xs), so they add no int8 rounding.
