@@ -183,9 +183,10 @@ class GPUBackend:
         # default: on the H200 its blocks held SM slots the decode kernels waited for (every expert in VRAM, one
         # machine: 6.77 ms/token of GPU time with it, 6.01 without; bench/results/hybrid_q30-Q4_K_M.md)
         self._prefetch = os.environ.get("STRATA_NB_PREFETCH", "0") == "1"
-        self.side = cuda.stream()
-        self._fork_ev, self._join_ev = sync_event(), sync_event()
-        self._pf_out = cuda.to_device(np.zeros(1, np.uint32))
+        if self._prefetch:
+            self.side = cuda.stream()
+            self._fork_ev, self._join_ev = sync_event(), sync_event()
+            self._pf_out = cuda.to_device(np.zeros(1, np.uint32))
         self.dev = w
         tm, k = self.ntok_max, max(s.n_expert_used, 1)
         f32 = np.float32
