@@ -7,7 +7,8 @@ L2-resident, take about half of their share of a real token). The engine launche
 branches off the decode graph (the next layer's dense matrices and the chosen experts' down matrices while the
 current layer computes), meant to cost bandwidth, which decode leaves idle, and no time on the critical path.
 Measured on the H200 they cost time: the host waited 6.77 ms a token for the GPU with them against 6.01 without
-(their blocks hold SM slots the decode kernels wait for), so the engine leaves them off unless STRATA_NB_PREFETCH=1.
+(likely because their blocks take SM slots the decode kernels then wait for; not measured), so the engine
+leaves them off unless STRATA_NB_PREFETCH=1.
 
 Each warp's XOR of the bytes it read goes to out[0] with one atomic (the loads are kept, and a test can check them).
 Launch helpers never allocate, copy or synchronize (they are captured into CUDA graphs).

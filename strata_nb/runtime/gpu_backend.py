@@ -180,7 +180,7 @@ class GPUBackend:
         s, w = self.spec, self.weights_for_device()
         self.stream = cuda.stream()
         # Decode's L2 prefetch branch (cuda_kernels/prefetch.py) on a second stream, STRATA_NB_PREFETCH=1: off by
-        # default: on the H200 its blocks held SM slots the decode kernels waited for (every expert in VRAM, one
+        # default: on the H200 it made the decode graph slower (every expert in VRAM, one
         # machine: the host waited 6.77 ms/token for the GPU with it, 6.01 without; bench/results/hybrid_q30-Q4_K_M.md)
         self._prefetch = os.environ.get("STRATA_NB_PREFETCH", "0") == "1"
         if self._prefetch:
