@@ -26,7 +26,10 @@ from strata_nb.cuda_kernels.block import block_max, block_sum
 from strata_nb.errors import StrataError
 
 _MAX_SPLIT = 1024  # the reduce kernel keeps one weight per chunk in shared memory
-MIN_CHUNK = 64  # keys per decode chunk at least: below that a block's fixed cost outweighs its keys
+# Keys per decode chunk at least: below that a block's fixed cost outweighs its keys (an H200 at Qwen3-30B-A3B shapes,
+# 4 kv heads, ~130 keys: the partial kernel took 9.5 us with 64-key chunks and 9.8 with 16-key ones, and the reduce
+# of the 4x more partials 0.9 us longer; bench/gpu/trace_decode.py)
+MIN_CHUNK = 64
 _RT = 128  # threads of the reduce kernel on a GPU
 _GPU_WARPS = 4  # warps per attention block on a GPU
 _SIM_WARPS = 1  # in the simulator (the butterfly test runs 2, to exercise the merge of warps there)
@@ -44,9 +47,9 @@ def decode_scratch_shapes(n_head: int, head_dim: int, n_split: int) -> tuple[tup
 
 
 def choose_n_split(ctx: int, n_kv_head: int, n_sm: int = 132) -> int:
-    """A split count for attention_decode: about 4 blocks per SM at the full context, chunks of >= 64 keys."""
+    """A split count for attention_decode: about 4 blocks per SM at the full context, chunks of >= MIN_CHUNK keys."""
     want = max(1, (4 * n_sm) // max(1, n_kv_head))
-    return int(max(1, min(_MAX_SPLIT, want, (ctx + 63) // 64)))
+    return int(max(1, min(_MAX_SPLIT, want, -(-ctx // MIN_CHUNK))))
 
 
 # -- warp exchanges ---------------------------------------------------------------------------------------------

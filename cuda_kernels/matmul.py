@@ -36,8 +36,11 @@ SIM = bool(config.ENABLE_CUDASIM)
 # GPU that way). Prompt: 4 warps a block, each 4 rows x 8 tokens (a unit is decoded once per 8 tokens; its 16
 # activations are loaded once for 4 rows). Simulator: one-lane warps, one warp a block, small tiles.
 MV_WARPS, MV_ROWS, MV_ROWS_SMALL = (1, 2, 2) if SIM else (4, 4, 2)
-MV_WARPS_WIDE = 1 if SIM else 8  # dense launches of long rows or few rows: 8 warps of one row (see _mv_shape)
-MV_ROWS_DOWN = 2 if SIM else 4  # rows of a moe_down block (its warps take different choices of those rows)
+MV_WARPS_WIDE = 1 if SIM else 8  # dense launches of long rows or few rows (see _mv_shape), and moe_down
+# rows of a moe_down block, whose MV_WARPS_WIDE warps take different choices of those rows: on an H200 inside the
+# decode graph (bench/gpu/trace_decode.py, Qwen3-30B-A3B shapes, 8 choices of 2048 x 768 Q6_K) 15.4 us a launch at
+# 8 warps x 2 rows against 22.7 at 4 x 4 (a warp's choices ran one after the other)
+MV_ROWS_DOWN = 2
 MV_CHUNK = 256 if SIM else 8192  # activation elements staged in shared memory at a time (32 KB)
 TILE_WARPS, TILE_ROWS, TILE_TOKS = (1, 2, 2) if SIM else (4, 4, 8)
 EMBED_THREADS = 32 if SIM else 256
@@ -309,8 +312,8 @@ def _down_fn(td: tuple, k: int, rows: int):
         return _KERNELS[key]
     dd = _dot_rows(*td, rows)
     nunits = k // UNIT
-    warps, nthr = MV_WARPS, MV_WARPS * LANES
-    red_len = MV_WARPS * rows
+    warps, nthr = MV_WARPS_WIDE, MV_WARPS_WIDE * LANES
+    red_len = MV_WARPS_WIDE * rows
 
     @cuda.jit(cache=True)
     def down(w8, wv, wh, slot_bytes, off, rb, nrows, slot_of, ids, wts, h, out, ntok):
@@ -634,5 +637,5 @@ def moe_down(down, slots, nrows: int, slot_of, ids, wts, h, out, ntok: int, stre
     _check_act("out", out, ntok, nrows)
     rows = MV_ROWS_DOWN
     grid = (-(-nrows // rows), min(ntok, MAX_GRID_Y))
-    _down_fn((qd, wd), f, rows)[grid, LANES * MV_WARPS, stream](w8, wv, wh, slots.shape[1], od, rbd, nrows,
-                                                                 slot_of, ids, wts, h, out, ntok)
+    _down_fn((qd, wd), f, rows)[grid, LANES * MV_WARPS_WIDE, stream](w8, wv, wh, slots.shape[1], od, rbd,
+                                                                      nrows, slot_of, ids, wts, h, out, ntok)

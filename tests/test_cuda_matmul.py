@@ -111,6 +111,25 @@ def test_matmul_long_rows(qtype):
     assert_close(out.copy_to_host(), x.astype(np.float64) @ wf.T, np.abs(x).astype(np.float64) @ np.abs(wf).T)
 
 
+@pytest.mark.parametrize("qtype", [pytest.param(Q4_K, id="Q4_K"), pytest.param(Q6_K, id="Q6_K")])
+def test_matvec_many_rows(qtype):
+    """An odd row count past 1024: the launch shape of large matrices (several rows a warp, the last warp's rows
+    clamped; one row a warp below 1024), with the fused norm; against rmsnorm then numpy."""
+    rng = np.random.default_rng(11 + qtype)
+    n, k = 1029, 256
+    w = random_rows(qtype, n, k, rng)
+    wf = dequant(qtype, w)
+    x = (rng.standard_normal((1, k)) * 2).astype(np.float32)
+    nw = rng.standard_normal(k).astype(np.float32)
+    xn = np.empty_like(x)
+    cpu_rmsnorm(x, nw, np.float32(1e-6), xn)
+    out = cuda.to_device(np.full((2, n), SENTINEL, np.float32))
+    mm.matvec([(qtype, cuda.to_device(w), out, False)], cuda.to_device(x), 0, norm=cuda.to_device(nw), eps=1e-6)
+    got = out.copy_to_host()
+    assert_close(got[:1], xn.astype(np.float64) @ wf.T, 2 * (np.abs(xn).astype(np.float64) @ np.abs(wf).T))
+    assert (got[1] == SENTINEL).all()
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_embed(qtype):
     """Three tokens (one repeated) against the CPU twin dequant_rows and numpy; the fourth output row (beyond

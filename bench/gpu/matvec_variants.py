@@ -91,6 +91,9 @@ def main() -> None:
     x, xn, nw = f32(1, D), f32(1, D), f32(D)
     q, kk, v, att, rl = f32(1, QD), f32(1, KVD), f32(1, KVD), f32(1, QD), f32(1, E)
     h = f32(K, F)
+    V = 151936  # the head (Q6_K, 255 MB: past the L2 with one copy)
+    wh_ = rand_u8(rng, V, row_bytes(Q6_K, D))
+    logits = cuda.device_array((1, V), np.float32)
     out = f32(1, D)
     sink = cuda.device_array(1, np.uint32)
 
@@ -113,6 +116,7 @@ def main() -> None:
                                                         x_out=xn)), mb(wr[0])),
         "gate_up x8": (cycling(lambda s, c: mm.moe_gate_up((Q4_K, 0, rbg), (Q4_K, F * rbg, rbg), slots, F, slot_of,
                                                             ids[c], xn, h, 1, s)), K * 2 * F * rbg / 1e6),
+        "head+norm": (lambda s: mm.matvec([(Q6_K, wh_, logits, False)], x, s, norm=nw, eps=1e-6), mb(wh_)),
         "down x8": (cycling(lambda s, c: mm.moe_down((Q6_K, 2 * F * rbg, rbd), slots, D, slot_of, ids[c], wts, h,
                                                       out, 1, s)), K * D * rbd / 1e6),
     }
@@ -128,17 +132,17 @@ def main() -> None:
     print(f"{'kernel':14s} {'MB':>6s} {'floor us':>9s} " + " ".join(f"{v:>14s}" for v in a.variants.split(",")))
     res = {}
     rule = mm._mv_shape
+    auto = (mm.MV_WARPS, mm.MV_ROWS, mm.MV_ROWS_SMALL, mm.MV_ROWS_DOWN, mm.MV_WARPS_WIDE)
     for var in a.variants.split(","):
         if var == "auto":
-            w, r = 4, 4
-            mm.MV_WARPS, mm.MV_ROWS, mm.MV_ROWS_SMALL, mm.MV_ROWS_DOWN = 4, 4, 2, 4
+            mm.MV_WARPS, mm.MV_ROWS, mm.MV_ROWS_SMALL, mm.MV_ROWS_DOWN, mm.MV_WARPS_WIDE = auto
             mm._mv_shape, mm._RED = rule, 8 * mm.LANES
             mm._KERNELS.clear()
             for name, (fn, _) in cases.items():
                 res[name, var] = _run(fn, st, a.reps, name, var)
             continue
         w, r = (int(t) for t in var.split("x"))
-        mm.MV_WARPS, mm.MV_ROWS, mm.MV_ROWS_SMALL, mm.MV_ROWS_DOWN = w, r, r, r
+        mm.MV_WARPS, mm.MV_ROWS, mm.MV_ROWS_SMALL, mm.MV_ROWS_DOWN, mm.MV_WARPS_WIDE = w, r, r, r, w
         mm._mv_shape = lambda k, n, w=w, r=r: (w, r)
         mm._RED = max(w, 8) * mm.LANES
         mm._KERNELS.clear()
