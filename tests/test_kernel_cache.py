@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from numba.core.registry import CPUDispatcher
 
 import strata_nb.cpu_kernels as cpu_kernels
@@ -26,6 +27,7 @@ from strata_nb.synth import write_synthetic
 _RUN = r"""
 import json, sys
 import numpy as np
+import pytest
 import strata_nb
 from strata_nb.api import load
 from strata_nb.cpu_kernels import ops
@@ -87,3 +89,63 @@ def test_no_kernel_uses_fastmath():
             "matmul.moe_ffn_for"} <= set(found)
     bad = [name for name, d in found.items() if d.targetoptions.get("fastmath")]
     assert not bad, f"kernels with fastmath (their float sums are reordered per compile): {bad}"
+
+
+_HELPERS = r"""
+import json, sys
+import numpy as np
+import pytest
+import strata_nb
+from strata_nb.api import load
+
+eng = load(sys.argv[1], device="cpu", n_ctx=32, threads=2)
+eng.warm_up()
+kerns = {id(k): k for k, *_ in eng.backend._moe.values()}
+hits = sum(sum(k.stats.cache_hits.values()) for k in kerns.values())
+misses = sum(sum(k.stats.cache_misses.values()) for k in kerns.values())
+s = eng.new_session()
+np.save(sys.argv[2], eng.backend.forward(s, np.array([5, 9, 2, 7, 3], np.int64), all_logits=True))
+print(json.dumps({"drivers": len(kerns), "hits": hits, "misses": misses}))
+"""
+
+
+def test_first_run_compiles_the_routed_experts_in_helpers(tmp_path):
+    """On an empty numba cache with two or more cores, helper processes compile the routed-expert drivers while the
+    engine compiles the rest; the engine loads them from the cache (compiles none of them itself), and its logits
+    are those of a later run that loads everything."""
+    from strata_nb.runtime import warm
+
+    if warm.helpers_wanted(1) < 1:
+        pytest.skip("one core: no compile helpers")
+    path = tmp_path / "m.gguf"
+    write_synthetic(path, "tiny", arch="qwen3moe", quant="Q8_0", seed=3)
+    env = {**os.environ, "STRATA_NB_CACHE": str(tmp_path / "cache")}
+    runs = []
+    for i in range(2):
+        out = tmp_path / f"logits{i}.npy"
+        r = subprocess.run([sys.executable, "-c", _HELPERS, str(path), str(out)], capture_output=True, text=True,
+                           timeout=900, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs.append((json.loads(r.stdout.strip().splitlines()[-1]), np.load(out)))
+    (first, a), (second, b) = runs
+    assert first["drivers"] >= 1 and first["misses"] == 0 and first["hits"] >= first["drivers"], first
+    assert second["misses"] == 0, second
+    assert np.array_equal(a, b)
+
+
+def test_compile_helpers_that_fail_or_run_late_are_reported(tmp_path):
+    """join() names a helper that exited with an error (its last stderr line) and stops one still running at the
+    deadline: the warm-up then compiles those kernels itself."""
+    from strata_nb.runtime import warm
+
+    if warm.helpers_wanted(1) < 1:
+        pytest.skip("one core: no compile helpers")
+    bad = warm.start(tmp_path / "missing.gguf", True, [0])
+    msgs = warm.join(bad, 120.0)
+    assert len(msgs) == 1 and "exited with 1" in msgs[0] and "error:" in msgs[0], msgs
+    path = tmp_path / "m.gguf"
+    write_synthetic(path, "tiny", arch="qwen3moe", quant="Q8_0", seed=3)
+    slow = warm.start(path, True, [0])
+    msgs = warm.join(slow, 0.0)
+    assert len(msgs) == 1 and "still running" in msgs[0], msgs
+    assert slow[0].returncode is not None  # stopped, not left behind

@@ -61,6 +61,7 @@ class CPUBackend:
         self._qk_mode = {"none": ops.QK_NORM_NONE, "head": ops.QK_NORM_HEAD, "full": ops.QK_NORM_FULL}[spec.qk_norm]
         # Per MoE layer: the routed-expert kernel specialized for its quant types, and its matrix geometry.
         self._moe: dict[int, tuple] = {}
+        self._skip_routed = False  # warm_up(routed=False)
         self._scratch: dict[tuple[int, int, int | None], tuple[np.ndarray, ...]] = {}
         # kept between calls (a decode token's MoE allocates nothing): the routing plan (ops.moe_split), its identity
         # row (the groups of a one-wave call), slots that send every choice to the CPU, the pool's kernel buffers per
@@ -167,6 +168,9 @@ class CPUBackend:
         """out[t] = sum over j of wts[t, j] * expert_{ids[t, j]}(a[t]): the CPU engine's MoE. Choices with a
         negative id are skipped; the routing is counted in the store. ids i32[T, k]; wts f32[T, k]; out
         f32[T, n_embd], C-contiguous."""
+        if self._skip_routed:  # a warm-up pass without the routed-expert drivers (warm_up)
+            out[...] = 0.0
+            return
         t, k = ids.shape
         gg, gu, gd = self._grp[layer]
         _, ff, hidden, _ = self._moe[layer]
@@ -281,10 +285,36 @@ class CPUBackend:
         store = MappedStore(self.experts.src, None) if self.experts is not None else None
         return CPUBackend(self.spec, self.w, store, fast=self.fast)
 
-    def warm_up(self) -> None:
+    def warm_up(self, routed: bool = True) -> None:
         """Compile every kernel a forward calls (numba compiles per type signature, not per shape, and the token
-        count only changes shapes): one token through a scratch backend on a one-position session."""
-        self.scratch().forward(Session(self.spec, 1), np.zeros(1, np.int64))
+        count only changes shapes): one token through a scratch backend on a one-position session. routed=False
+        leaves out the routed-expert drivers (their layers' experts add nothing): a helper process compiles them
+        meanwhile (runtime/warm.py), and a second warm-up then loads them from numba's cache."""
+        b = self.scratch()
+        b._skip_routed = not routed
+        b.forward(Session(self.spec, 1), np.zeros(1, np.int64))
+
+    def routed_kernel_layers(self) -> list[int]:
+        """One MoE layer per distinct routed-expert driver (the drivers a warm-up compiles)."""
+        first: dict[int, int] = {}
+        for l, (kern, *_rest) in self._moe.items():
+            first.setdefault(id(kern), l)
+        return sorted(first.values())
+
+    def compile_routed(self, layers: list[int]) -> None:
+        """Compile (or load) the routed-expert drivers of these layers, as a warm-up's forward calls them: each
+        layer's experts 0..k-1 on one token of zeros, through a scratch backend (nothing counted)."""
+        b = self.scratch()
+        s = self.spec
+        k = max(s.n_expert_used, 1)
+        for l in layers:
+            x = np.zeros((1, s.n_embd), np.float32)
+            g = b._ffn_group[l]
+            a = Activation(x)
+            if g and s.n_embd % g == 0:  # the int8 form norm_act would have made (zeros: x's own)
+                a = Activation(x, tuple(np.zeros_like(t) for t in actq.empty(1, s.n_embd, g)))
+            ids = np.arange(k, dtype=np.int32).reshape(1, k)
+            b.routed_experts(l, a, ids, np.full((1, k), 1.0 / k, np.float32), np.empty((1, s.n_embd), np.float32))
 
     def sample_next(self, session: Session, tokens, sampler, history, ahead: bool = False) -> int:
         """Run tokens and draw the next token from the last position's logits (ahead: nothing to start early)."""
