@@ -3,7 +3,8 @@
 # (VARIANTS="4x4,4x2,..." runs matvec_variants.py), per-kernel decode times on the 2-layer model, then
 # PROBES="0.5 0.5:GOMP_SPINCOUNT=30000000 1" runs pool_probe.py on the full uniform model once per entry (VRAM
 # share, then the environment of that run), then hybrid_vs_llama.py on it with whatever time is left
-# (BENCH_ARGS=none: no benchmark; BENCH_IF_PASSED=1: none unless the tests passed). PACK=1 packs the numba cache
+# (BENCH_ARGS=none: no benchmark; BENCH_IF_PASSED=1: none unless the tests passed); TRACE="1 0" runs
+# trace_decode.py at those shares before the probes (TRACE_ARGS passed on, e.g. --warmup-seed 1). PACK=1 packs the numba cache
 # into $OUT for the next call's .gpu/.
 set -uo pipefail
 BUDGET=${CALL_BUDGET:-560}
@@ -16,7 +17,7 @@ export BENCH_MIRROR_DIR=$OUT
 SMOKE=$(bash bench/gpu/synth.sh path smoke)
 UNI=$(bash bench/gpu/synth.sh path uniform)
 bash bench/gpu/build_llama.sh start
-if [ "${BENCH_ARGS:-}" = none ] && [ -z "${PROBES:-}" ]; then SYNTH_NICE=10 bash bench/gpu/synth.sh start smoke
+if [ "${BENCH_ARGS:-}" = none ] && [ -z "${PROBES:-}${TRACE:-}" ]; then SYNTH_NICE=10 bash bench/gpu/synth.sh start smoke
 else SYNTH_NICE=10 bash bench/gpu/synth.sh start smoke uniform; fi
 pack() { [ "${PACK:-0}" = 1 ] && bash bench/gpu/pack_cache.sh "$OUT"; }
 ts "pytest GPU files"
@@ -32,10 +33,15 @@ if [ "${PROFILE_S:-100}" != 0 ]; then
     ts "profile_decode"
     timeout -k 10 ${PROFILE_S:-100} python3 bench/gpu/profile_decode.py -m "$SMOKE" 2>&1 | grep -v -i warn | tee "$OUT/profile.log"
 fi
-if [ -n "${PROBES:-}" ] || [ "${BENCH_ARGS:-}" != none ]; then
+if [ -n "${PROBES:-}${TRACE:-}" ] || [ "${BENCH_ARGS:-}" != none ]; then
     bash bench/gpu/synth.sh wait 180 uniform
     grep -h 'rc .* after' /tmp/models/*.log | tr '\r' '\n' | tail -3
 fi
+for sh in ${TRACE:-}; do  # TRACE="1 0": trace_decode.py at those VRAM shares (TRACE_ARGS: e.g. --warmup-seed 1)
+    bash bench/gpu/synth.sh wait 180 uniform
+    ts "trace_decode share $sh ${TRACE_ARGS:-}"
+    timeout -k 10 ${TRACE_S:-150} python3 bench/gpu/trace_decode.py -m "$UNI" --share "$sh" ${TRACE_ARGS:-} 2>&1 | grep -v -i warn | tee -a "$OUT/trace.log"
+done
 for p in ${PROBES:-}; do
     share=${p%%:*}; envs=""; [ "$p" != "$share" ] && envs=$(echo "${p#*:}" | tr ':' ' ')
     ts "pool_probe share $share $envs"

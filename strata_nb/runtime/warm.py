@@ -27,15 +27,21 @@ def helpers_wanted(n_kernels: int) -> int:
 
 def start(path: str | os.PathLike, fast: bool, layers: list[int]) -> list[subprocess.Popen]:
     """Helpers compiling the routed-expert drivers of `layers` (one layer per driver), spread over
-    helpers_wanted() processes; none on a single core."""
+    helpers_wanted() processes; none on a single core, or where a process cannot be started (the warm-up then
+    compiles everything itself)."""
     n = helpers_wanted(len(layers))
-    procs = []
+    procs: list[subprocess.Popen] = []
     for i in range(n):
         mine = layers[i::n]
         err = tempfile.TemporaryFile()  # not a pipe: a helper's warnings must never block it while nobody reads
-        p = subprocess.Popen([sys.executable, "-m", "strata_nb.runtime.warm", str(path), str(int(fast)),
-                              ",".join(map(str, mine))],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            p = subprocess.Popen([sys.executable, "-m", "strata_nb.runtime.warm", str(path), str(int(fast)),
+                                  ",".join(map(str, mine))],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+        except OSError:
+            err.close()
+            join(procs, 0.0)
+            return []
         p.err_file = err
         procs.append(p)
     return procs
