@@ -300,7 +300,8 @@ class Engine:
         from strata_nb.runtime import warm
         from strata_nb.runtime.cpu_backend import CPUBackend
 
-        if not isinstance(self.backend, CPUBackend) or self.store is None or kernels_cached():
+        # not where RAM is short (a tiered store): a helper's compile needs a few hundred MB of its own
+        if not isinstance(self.backend, CPUBackend) or self.store is None or self.store.tiered or kernels_cached():
             return
         procs = warm.start(self.path, self.backend.fast, self.backend.routed_kernel_layers())
         if not procs:
