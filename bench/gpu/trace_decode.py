@@ -104,10 +104,8 @@ def main() -> None:
         gbetween.append(ks[0]["ts"] - (ev[i0]["ts"] + ev[i0]["dur"]))
         gaps = [ks[j]["ts"] - (ks[j - 1]["ts"] + ks[j - 1]["dur"]) for j in range(1, len(ks))]
         gin.append(sum(g for g in gaps if g > 0))
-        cnt = defaultdict(float)
         for e, n in zip(ks, names[i0 + 1:i1 + 1]):
             per[n].append(e["dur"])
-            cnt[n] += 1
     nt = len(toks)
     per_tok = [(ev[i1]["ts"] - ev[i0]["ts"]) for i0, i1 in toks]
     print(f"{nt} decode tokens traced: period {np.median(per_tok) / 1e3:.3f} ms (median, token end to token end); "
