@@ -21,7 +21,7 @@ import numpy as np
 
 import strata_nb  # noqa: F401  (numba environment before numba is imported)
 import numba
-from strata_nb.cpu_kernels.actq import quantize
+from strata_nb.cpu_kernels.actq import group, quantize
 from strata_nb.cpu_kernels.matmul import matmul_f32, matmul_q8, moe_matmul
 from strata_nb.cpu_kernels.membw import read_sweep
 from strata_nb.cpu_kernels.qtypes import FLOAT_TYPES, QUANT_INFO, SUPPORTED, name, row_bytes
@@ -68,9 +68,9 @@ class TypeCase:
                      for i in range(self.n_mat)]
         self.e_rows = e_rows
         self.x = rng.standard_normal((1, k)).astype(np.float32)
-        self.xq, self.xd, self.xs = quantize(self.x)
+        self.xq, self.xd, self.xs = quantize(self.x, group(qtype))
         self.ex = rng.standard_normal((1, e_k)).astype(np.float32)
-        self.exq, self.exd, self.exs = quantize(self.ex)
+        self.exq, self.exd, self.exs = quantize(self.ex, group(qtype))
         self.out = np.empty((1, rows), np.float32)
         self.eout = np.empty((8, e_rows), np.float32)
         self.grp = np.arange(9, dtype=np.int64)

@@ -94,7 +94,7 @@ def run_plan(model: str, ctx: int, pack: str | None, memory: dict) -> None:
     check_ctx(ctx)
     g, s = open_model(model)
     src = open_experts(g, pack) if s.is_moe else None
-    device, line = pick_device(memory["device"], memory["vram_budget"])
+    device, line = pick_device(memory["device"], memory["vram_budget"], s)
     plan, _ = plan_memory(g, s, src, ctx, experts=memory["experts"], ram_budget=memory["ram_budget"])
     vram = (plan_gpu(g, s, src, ctx, memory["vram_budget"], memory["kv_type"]).lines() if device == "cuda"
             else ["VRAM: not used (CPU engine)"])
@@ -241,7 +241,7 @@ def run_info(model: str, ctx: int) -> None:
     g, s = open_model(model)
     e = click.echo
     e(f"file            {g.path} ({_gb(g.size)})")
-    e(f"device (auto)   {pick_device('auto')[1].removeprefix('device: ')}")
+    e(f"device (auto)   {pick_device('auto', spec=s)[1].removeprefix('device: ')}")
     e(f"architecture    {s.arch}" + (f" (MoE: {s.n_expert} experts, top-{s.n_expert_used}, expert ffn {s.n_ff_exp}"
                                       f"{', shared expert' if s.shared_expert else ''}"
                                       f"{', gated' if s.shared_expert_gate else ''}"

@@ -3,10 +3,17 @@
 Layout, per token row of K floats, for a group size G (K a multiple of G):
   xq int8[K]       round(x / d) with d = max|x| / 127 over each group of G
   xd float32[K/G]  the per-group scale d
-  xs float32[K/16] the exact float sum of x over each block of 16 (min and offset terms)
+  xs float32[K/16] the sum over each block of 16 of the quantized x, d * sum(xq): the min and offset terms
 G = 32 is llama.cpp's Q8_0 activation (legacy weight types); G = 256 its Q8_K (K-quant weights, whose row dots
 sum the integer products of a whole 256-weight super-block before one float scale). A kernel knows its group
 from the length of xd, so activations of the wrong group are refused by the length checks.
+
+xs sums the quantized x, not x itself, so that a row dot with a min or offset term (Q2_K/Q4_K/Q5_K mins, Q3_K/Q6_K
+offsets, Q4_1/Q5_1 mins) is the exact dot of the dequantized weights with the dequantized activations, as
+llama.cpp's (block_q8_K.bsums, block_q8_1.s): w = s*u - m gives s*u.xq*d - m*sum(xq)*d = w.(xq*d), whose error
+sum(w_i e_i) (e = the int8 rounding of x) is that of the weights w. The float sum of x in the min term instead
+leaves sum(s*u_i e_i) = sum((w_i + m) e_i): the min (or s * offset, 32s for Q6_K) adds a large common part to
+every weight and ~1.5-1.9x the error of one K-quant matrix (measured on Q4_K/Q5_K/Q6_K rows; equal on Q8_0, Q5_0).
 """
 from __future__ import annotations
 
@@ -39,11 +46,11 @@ def quantize_row(x, xq, xd, xs):
         xd[b] = d
         for i in range(b * g, b * g + g):
             xq[i] = np.int8(np.rint(x[i] * inv))
-    for b in range(k // 16):
-        s = np.float32(0.0)
-        for i in range(b * 16, b * 16 + 16):
-            s += x[i]
-        xs[b] = s
+        for j in range(b * g // 16, (b * g + g) // 16):  # sums of the quantized x: llama.cpp's bsums (Q8_K), s (Q8_1)
+            s = 0
+            for i in range(j * 16, j * 16 + 16):
+                s += np.int32(xq[i])
+            xs[j] = np.float32(s) * d
 
 
 @njit(cache=True, parallel=True)

@@ -11,8 +11,10 @@ the row loops around it:
             against the group scales (AVX2, AVX-512 machines included: vpdpbusd would need the scales applied
             to its i32 sums separately), or sign-extended even/odd pair sums (LLVM's vpmaddwd pattern)
             elsewhere, chosen for the CPU numba targets. Each group's sum is scaled by s * xd in float32; the
-            min and the offset (s * o) are one vector fma per super-block against the exact float sums of x
-            per 16 (actq xs), so they add no int8 rounding.
+            min and the offset (s * o) are one vector fma per super-block against the sums of the int8
+            activations per 16 (actq xs = xd * sum(xq), llama.cpp's bsums): the result is the dot of the
+            dequantized row with xd * xq. (On the float sums of x instead, the error is sum((w_i + m) e_i), not
+            sum(w_i e_i), e the int8 rounding of x: the min or offset of every weight multiplies it, ~1.7x.)
 All loops take 64 or 32 elements per step with four independent accumulators and prefetch the weights
 PREFETCH_BYTES ahead (rows of a matrix are contiguous, so this runs on into the next row).
 Layouts: llama.cpp ggml-common.h (block_q*_K) and gguf-py gguf/quants.py (dequantize_blocks).
@@ -313,7 +315,7 @@ def _make_kernels(name: str, bs: int, unpack, chunk_dot):
     def q8_row(b: ir.IRBuilder, wp: ir.Value, nb: ir.Value, toks: list) -> list:
         """dot_q8 of one row against each token of toks, a list of (xq i8*, xd f32*, xs f32*) pointers.
         Per super-block: the integer dots of all eight chunks with the integer scales summed exactly in i32
-        (|sum| < 2^26), one float fma with d * xd; the min and offset terms one fma on the float sums of x.
+        (|sum| < 2^26), one float fma with d * xd; the min and offset terms one fma on the sums of the int8 x (xs).
         The row is unpacked once per super-block; each token keeps its own accumulators and the same float
         operations in the same order as a single-token call, so every result is bit-identical to it."""
         accs = [_zeros(b, 8, 1) + _zeros(b, 16, 1) for _ in toks]  # per token: scaled sums, min terms
@@ -322,7 +324,7 @@ def _make_kernels(name: str, bs: int, unpack, chunk_dot):
             blk = b.gep(wp, [b.mul(i, ir.Constant(_I64, bs))])
             _prefetch(b, blk, bs)
             q, off, d, isc, ms = unpack(_Block(b, blk))
-            if off:  # d * s * (u - o) - m: the o * d * s part joins the min term, on the exact float sums of x
+            if off:  # d * s * (u - o) - m: the o * d * s part joins the min term, on xs
                 mo = b.fmul(scales(b, d, isc), ir.Constant(_vt(_F32, 16), [float(off)] * 16))
                 ms = mo if ms is None else b.fadd(mo, ms)
             scv = [_shuf(b, isc, [2 * c] * 8 + [2 * c + 1] * 8) for c in range(8)]

@@ -8,10 +8,11 @@ Each block is decoded in registers to 32 small integers q = u - o (<32 x i8> u u
 (and m); three loops share that decoder:
   dequant: out = d*q (+ m), the same float ops as gguf-py, so the result is bit-exact
   dot_f32: sum of (d*q (+ m)) * x, float32 fma into 4 independent accumulators (the accuracy reference)
-  dot_q8:  sum of d*xd[b] * (q . xq) (+ m * exact float sum of x), integer sums exact, converted to float once
-           per block. With AVX512-VNNI two blocks per step: one vpdpbusd of u against 64 int8 activations, minus
-           o * sum(xq) from a second one. Otherwise one block per step: vpmaddwd on sign-extended lanes (AVX-512),
-           vpsignb + vpmaddubsw + vpmaddwd (AVX2), or the generic even/odd i16 product pattern elsewhere.
+  dot_q8:  sum of d*xd[b] * (q . xq) (+ m * xd[b] * sum(xq), actq xs: llama.cpp's Q8_1 s), integer sums exact,
+           converted to float once per block. With AVX512-VNNI two blocks per step: one vpdpbusd of u against
+           64 int8 activations, minus o * sum(xq) from a second one. Otherwise one block per step: vpmaddwd
+           on sign-extended lanes (AVX-512), vpsignb + vpmaddubsw + vpmaddwd (AVX2), or the generic even/odd
+           i16 product pattern elsewhere.
 Rows stream from DRAM, so the loops prefetch PREFETCH_BYTES ahead of the block being read (rows of a matrix
 are contiguous, so this runs on into the next row).
 """

@@ -16,7 +16,7 @@ from strata_nb.model.weights import ModelWeights, bind_weights, check_quant_type
 from strata_nb.plan import GPUPlan, Machine, MemoryPlan, make_gpu_plan, make_plan
 from strata_nb.runtime.generate import GenerationResult, generate
 from strata_nb.runtime.sampler import Sampler, SamplerConfig
-from strata_nb.runtime.session import Session
+from strata_nb.runtime.session import Session, state_bytes
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def _token_text(tok, tid: int | None) -> str:
 def memory_needs(g: GGUFFile, spec: ModelSpec, n_ctx: int) -> MemoryNeeds:
     expert = sum(t.nbytes for n, t in g.tensors.items() if "_exps." in n)
     dense = sum(t.nbytes for t in g.tensors.values()) - expert
-    return MemoryNeeds(dense, expert, Session.kv_bytes(spec, n_ctx))
+    return MemoryNeeds(dense, expert, state_bytes(spec, n_ctx))
 
 
 def recent_slots(spec: ModelSpec) -> int:
@@ -133,13 +133,23 @@ def plan_memory(g: GGUFFile, spec: ModelSpec, src, n_ctx: int, *, experts: str =
 GPU_PROMPT_TOKENS = 256  # tokens per prompt chunk on the GPU (activation buffers are sized for this)
 
 
-def pick_device(device: str, vram_budget: float | None = None) -> tuple[str, str]:
+GPU_MIXERS = ("attention",)  # the layer kinds the hybrid engine has blocks for
+
+
+def pick_device(device: str, vram_budget: float | None = None, spec: ModelSpec | None = None) -> tuple[str, str]:
     """("cuda" or "cpu", a line saying which engine runs and why). auto: the hybrid engine when numba-cuda finds a
-    GPU, else the CPU engine. A vram_budget is refused when the CPU engine runs."""
+    GPU and has blocks for every layer kind of the model (spec), else the CPU engine. A vram_budget is refused
+    when the CPU engine runs."""
     if device not in ("auto", "cuda", "cpu"):
         raise StrataError(f"unknown device {device!r} (auto, cuda or cpu)")
+    missing = sorted({ls.mixer for ls in spec.layers} - set(GPU_MIXERS)) if spec is not None else []
     if device == "cpu":
         picked = "cpu", "device: CPU engine (--device cpu)"
+    elif missing:
+        why = f"the hybrid engine has no GPU block for {', '.join(missing)} layers yet ({spec.arch})"
+        if device == "cuda":
+            raise StrataError(f"--device cuda: {why}; run it with --device cpu")
+        picked = "cpu", f"device: CPU engine ({why})"
     else:
         from strata_nb.runtime.cuda_rt import SIM, cuda_status
 
@@ -244,7 +254,7 @@ class Engine:
         if kv_type not in ("f16", "f32"):
             raise StrataError(f"--kv-type must be f16 or f32, got {kv_type!r}")
         self.threads = set_threads(threads)
-        self.device, self.device_line = pick_device(device, vram_budget)
+        self.device, self.device_line = pick_device(device, vram_budget, self.spec)
         self.weights: ModelWeights = bind_weights(self.gguf, self.spec)
         src = open_experts(self.gguf, pack) if self.spec.is_moe else None
         profile = None
@@ -329,7 +339,18 @@ class Engine:
         return self.model.check_tokens(tokens, self.n_ctx, n_new)
 
     def new_session(self) -> Session:
-        return Session(self.spec, self.n_ctx, host_kv=self.device == "cpu")
+        """A sequence at position 0 whose layer states are the engine's (on the GPU engine: its device state, which
+        only one session at a time holds; an older one continues only from a restored snapshot)."""
+        return self.backend.new_session(self.n_ctx)
+
+    def rewind(self, session: Session, pos: int) -> None:
+        """Return a session to position pos of its own sequence: a KV cache drops its tail; a recurrent model
+        goes back to its newest checkpoint at or before pos (Session.checkpoint) and runs the tokens from there
+        to pos again."""
+        tokens = list(session.tokens[:pos])
+        at = session.truncate(pos)
+        if at < pos:
+            self.backend.forward(session, np.asarray(tokens[at:], np.int64))
 
     # -- running ------------------------------------------------------------------------------------------
     def logits(self, tokens: Sequence[int]) -> np.ndarray:

@@ -63,14 +63,14 @@ def _vocab(path: str | os.PathLike):
 class _Context:
     """A llama.cpp context over a cached model, for one sequence; freed on exit."""
 
-    def __init__(self, path: str | os.PathLike, n_ctx: int):
+    def __init__(self, path: str | os.PathLike, n_ctx: int, n_ubatch: int | None = None):
         L = _llama()
         self.L = L
         self.model = _llama_model(path, False)
         cp = L.llama_context_default_params()
         cp.n_ctx = n_ctx
         cp.n_batch = n_ctx
-        cp.n_ubatch = n_ctx
+        cp.n_ubatch = n_ubatch or n_ctx
         cp.n_seq_max = 1
         cp.n_threads = LLAMA_CPP_THREADS
         cp.n_threads_batch = LLAMA_CPP_THREADS
@@ -112,10 +112,17 @@ class _Context:
             L.llama_batch_free(batch)
 
 
-def llama_cpp_logits(path: str | os.PathLike, tokens: list[int]) -> np.ndarray:
-    """llama.cpp's logits for every position of `tokens` (one batch), float32 [T, vocab]."""
-    with _Context(path, max(64, len(tokens))) as c:
-        return c.decode(list(tokens), 0)
+def llama_cpp_logits(path: str | os.PathLike, tokens: list[int], n_ubatch: int | None = None,
+                     chunk: int | None = None) -> np.ndarray:
+    """llama.cpp's logits for every position of `tokens`, float32 [T, vocab].
+
+    By default the prompt is one llama_decode call computed as one micro-batch. `n_ubatch` makes llama.cpp split
+    that call into micro-batches of n_ubatch tokens; `chunk` feeds the prompt in llama_decode calls of `chunk`
+    tokens (1: token by token, as in generation), so the cache carries the state between calls."""
+    toks = list(tokens)
+    step = chunk or max(1, len(toks))
+    with _Context(path, max(64, len(toks)), n_ubatch) as c:
+        return np.concatenate([c.decode(toks[i:i + step], i) for i in range(0, len(toks), step)])
 
 
 def llama_cpp_greedy(path: str | os.PathLike, prompt_tokens: list[int], n: int) -> list[int]:

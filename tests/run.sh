@@ -31,5 +31,22 @@ if [ ! -f "$STRATA_VOCAB_DIR/ggml-vocab-qwen2.gguf" ] || [ ! -d "$STRATA_VOCAB_D
         "llama_cpp_python-$LLAMA_CPP_PY/vendor/llama.cpp/models/ggml-vocab-*" \
         "llama_cpp_python-$LLAMA_CPP_PY/vendor/llama.cpp/models/templates/*"
 fi
+# llama.cpp's HF -> GGUF converter with the gguf-py it needs (newer than the gguf package): tests/family.py converts
+# tiny random qwen3next / qwen35moe models with it. VERSION marks a complete extraction (family.py checks it too).
+# Older sdists have no conversion/ (one convert_hf_to_gguf.py), hence the check instead of tar's exit status.
+CONVERT_DIR="$CACHE/llama-convert"
+if [ "$(cat "$CONVERT_DIR/VERSION" 2>/dev/null)" != "$LLAMA_CPP_PY" ]; then
+    rm -rf "$CONVERT_DIR"
+    mkdir -p "$CONVERT_DIR"
+    tar -xzf "$sdist" -C "$CONVERT_DIR" --strip-components=3 --wildcards \
+        "llama_cpp_python-$LLAMA_CPP_PY/vendor/llama.cpp/convert_hf_to_gguf.py" \
+        "llama_cpp_python-$LLAMA_CPP_PY/vendor/llama.cpp/gguf-py/*" \
+        "llama_cpp_python-$LLAMA_CPP_PY/vendor/llama.cpp/conversion/*" 2>/dev/null || true
+    if [ ! -f "$CONVERT_DIR/convert_hf_to_gguf.py" ] || [ ! -d "$CONVERT_DIR/gguf-py/gguf" ]; then
+        echo "no llama.cpp converter in $sdist" >&2
+        exit 1
+    fi
+    echo "$LLAMA_CPP_PY" > "$CONVERT_DIR/VERSION"
+fi
 
 python -m pytest -q "$@"

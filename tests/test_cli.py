@@ -125,6 +125,23 @@ def test_device_reasons(monkeypatch):
     assert pick_device("cpu", None) == ("cpu", "device: CPU engine (--device cpu)")
 
 
+def test_layer_kinds_without_a_gpu_block_run_on_the_cpu_engine(tmp_path):
+    """A model whose layer kinds the hybrid engine has no blocks for (qwen3next's delta-net and gated attention):
+    auto picks the CPU engine and says why; --device cuda is refused with that reason."""
+    from strata_nb.api import open_model, pick_device
+    from strata_nb.synth import write_synthetic
+
+    path = tmp_path / "next.gguf"
+    write_synthetic(path, "tiny", arch="qwen3next", quant="Q8_0")
+    _, spec = open_model(path)
+    why = "the hybrid engine has no GPU block for deltanet, gated_attention layers yet (qwen3next)"
+    assert pick_device("auto", spec=spec) == ("cpu", f"device: CPU engine ({why})")
+    with pytest.raises(StrataError, match="run it with --device cpu"):
+        pick_device("cuda", spec=spec)
+    res = run("generate", "-m", path, "--tokens", "3 1 4", "-n", "2", "--device", "cuda")
+    assert res.exit_code != 0 and res.stderr.strip().endswith("run it with --device cpu")
+
+
 def test_pack_then_generate_identical(model, tmp_path):
     m = tmp_path / "m.gguf"
     shutil.copy(model, m)

@@ -275,6 +275,42 @@ def test_device_warm_up_changes_no_state(model, reference):
         eng.close()
 
 
+def test_gpu_session_snapshot_restore_and_takeover(model):
+    """The GPU engine's sessions share its device state: a snapshot (device to host) restored into a session
+    continues bit for bit with the device sampler; a session whose state another one has used since is refused
+    until a snapshot is restored into it. Every expert in VRAM: with a share, the cache's placement adapts between
+    the two runs, and an expert computed by the CPU pool instead of the GPU rounds its sum differently."""
+    eng = Engine(model, device="cuda", n_ctx=CTX, fast=False, vram_budget=budget_for(model, 4, "f32"), kv_type="f32")
+    try:
+        be, greedy = eng.backend, SamplerConfig(temperature=0.0)
+        from strata_nb.runtime.sampler import Sampler
+
+        a = eng.new_session()
+        be.forward(a, np.asarray(PROMPT[:-1]))
+        snap = a.snapshot()
+
+        def continue_(s):  # the last prompt token and two decode steps on the device sampler
+            smp = Sampler(greedy, eng.spec.n_vocab)
+            tok = be.sample_next(s, [PROMPT[-1]], smp, list(PROMPT))
+            out = [tok]
+            for _ in range(2):
+                tok = be.sample_next(s, [tok], smp, list(PROMPT) + out)
+                out.append(tok)
+            return out, be.forward(s, np.asarray([out[-1]]))
+
+        first, logits = continue_(a)
+        b = eng.new_session()  # takes the device state over at position 0
+        be.forward(b, np.asarray(PROMPT[:3]))
+        with pytest.raises(StrataError, match="restore a snapshot"):
+            be.forward(a, np.asarray([1]))
+        a.restore(snap)
+        again, logits2 = continue_(a)
+        assert again == first
+        np.testing.assert_array_equal(logits, logits2)
+    finally:
+        eng.close()
+
+
 @pytest.mark.skipif(SIM, reason="a real GPU only: the simulator has no stream memory operations")
 def test_gated_work_waits_for_the_host_and_closes_its_gate():
     """Work captured behind a gate does not run until the host opens it, then runs once and closes the gate

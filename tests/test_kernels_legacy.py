@@ -7,7 +7,7 @@ Tolerances (measured worst case over these tests in brackets):
   dequant   bit-exact against gguf.quants.dequantize (the same float32 operations)
   dot_f32   |err| <= 1e-6 * sum|w_i x_i| against the float64 dot of the gguf row  [5e-8]
   dot_q8    |err| <= 1e-6 * sum|terms| against float64 on the same int8 activations (xd * xq), the Q4_1/Q5_1
-            min term on the exact float sums of x, as the kernel computes them  [8e-8]
+            min term on xs (the sums of xd * xq per 16), as the kernel computes them  [8e-8]
             |err| <= 2e-2 * sum|w_i x_i| against the float64 dot on float x: the int8 rounding of x  [4.1e-3]
   dot_q8_multi  bit-identical to dot_q8 on each of its tokens (same float operations in the same order)
 """
@@ -111,7 +111,7 @@ def test_float_dot_f32(name, k):
 
 def q8_reference(name: str, w: np.ndarray, xq, xd, xs) -> tuple[float, float]:
     """float64 dot of a row with the int8 activations, split as the kernel computes it: d * q on xd * xq, the
-    min on the exact float sums xs. Returns (dot, sum|terms|)."""
+    min on xs (the sums of xd * xq per 16, actq). Returns (dot, sum|terms|)."""
     gt, bb, _, m_off = LEGACY[name]
     nblk = w.size // bb
     blocks = w.reshape(nblk, bb).copy()

@@ -165,11 +165,11 @@ def test_pilot_and_measurement_run_on_the_cpu_engine(tmp_path, monkeypatch):
     asked: list[str] = []
     real = api.pick_device
 
-    def pick(device: str, vram_budget: float | None = None):
+    def pick(device: str, vram_budget: float | None = None, spec=None):
         asked.append(device)
         if device != "cpu":  # what a GPU machine's auto would give
             return "cuda", "device: a GPU (test)"
-        return real(device, vram_budget)
+        return real(device, vram_budget, spec)
 
     monkeypatch.setattr(api, "pick_device", pick)
     path = write_synthetic(tmp_path / "s.gguf", "tiny", seed=4, router_skew=ALPHA)["path"]

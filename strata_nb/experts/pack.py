@@ -119,12 +119,14 @@ def default_pack_path(gguf_path: str | os.PathLike) -> Path:
 def expert_tensors(g: GGUFFile) -> dict[tuple[int, str], ExpertTensor]:
     """The routed-expert tensors of a GGUF keyed by (layer, kind), validated, in (layer, kind) order.
 
-    GGUFFile has already checked that every tensor lies inside the file and has whole quant blocks per row.
+    GGUFFile has already checked that every tensor lies inside the file and has whole quant blocks per row. The
+    MTP blocks' experts (blocks past block_count - nextn_predict_layers) are left out: nothing runs them yet.
     """
     found: dict[tuple[int, str], ExpertTensor] = {}
+    n_main = int(g.get(f"{g.arch}.block_count") or 0) - int(g.get(f"{g.arch}.nextn_predict_layers") or 0)
     for t in g.tensors.values():
         m = _TENSOR_RE.fullmatch(t.name)
-        if m is None:
+        if m is None or (n_main > 0 and int(m.group(1)) >= n_main):
             continue
         if t.qtype not in qtypes.QUANT_INFO:
             raise ModelFormatError(f"expert tensor {t.name} has unsupported quant type {type_name(t.qtype)}")

@@ -17,9 +17,17 @@ class ArchTraits:
     qk_norm: str = "none"  # "none", "head" (RMSNorm per head over head_dim) or "full" (over all heads at once)
     expert_norm: bool = False  # renormalize the top-k softmax weights (HF: norm_topk_prob)
     moe: bool = False
+    # Qwen3-Next style: gated delta-net layers, and gated attention on every full_attention_interval-th layer
+    hybrid: bool = False
+    deltanet_tiled: bool = False  # delta-net value heads tiled over key heads (h % Hk), else grouped (h // (Hv/Hk))
+    ffn_norm: str = "ffn_norm"  # the FFN's RMSNorm tensor
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
+    "qwen3next": ArchTraits("neox", qk_norm="head", expert_norm=True, moe=True, hybrid=True,
+                            ffn_norm="post_attention_norm"),
+    "qwen35moe": ArchTraits("neox", qk_norm="head", expert_norm=True, moe=True, hybrid=True, deltanet_tiled=True,
+                            ffn_norm="post_attention_norm"),
     "qwen3moe": ArchTraits("neox", qk_norm="head", expert_norm=True, moe=True),
     "qwen2moe": ArchTraits("neox", expert_norm=False, moe=True),
     "olmoe": ArchTraits("neox", qk_norm="full", expert_norm=False, moe=True),
@@ -52,6 +60,49 @@ class RopeSpec:
         return float(max(0, lo)), float(min(self.n_rot - 1, hi))
 
 
+MIXERS = ("attention", "gated_attention", "deltanet")  # gated: a sigmoid gate per head on the attention output
+FFNS = ("dense", "moe")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a layer is made of: its token mixer and its FFN (model/tensors.py lists each kind's tensors)."""
+
+    mixer: str  # one of MIXERS
+    ffn: str  # one of FFNS
+
+    @property
+    def recurrent(self) -> bool:
+        """Its state is a recurrence (only returns to a snapshot), not a cache that can drop its tail."""
+        return self.mixer == "deltanet"
+
+
+@dataclass(frozen=True)
+class DeltaNetSpec:
+    """Gated delta-net dimensions (GGUF ssm.* keys): Hk key heads of dk, Hv value heads of dv, conv kernel K."""
+
+    n_k_head: int
+    n_v_head: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    tiled: bool  # value head h reads key head h % Hk (qwen35moe), else h // (Hv / Hk) (qwen3next)
+    split_ba: bool  # beta and alpha projections as two tensors (ssm_beta, ssm_alpha), else one ssm_ba
+
+    @property
+    def k_dim(self) -> int:
+        return self.n_k_head * self.head_k_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.n_v_head * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q, k and v of all heads."""
+        return 2 * self.k_dim + self.v_dim
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     arch: str
@@ -76,7 +127,23 @@ class ModelSpec:
     shared_expert_gate: bool = False  # a sigmoid gate vector ffn_gate_inp_shexp scales the shared expert
     tied_embeddings: bool = False
     rope_freq_factors: bool = False  # a rope_freqs tensor divides the frequencies (llama3-style scaling)
-    moe_layers: tuple[bool, ...] = field(default_factory=tuple)
+    layers: tuple[LayerSpec, ...] = field(default_factory=tuple)
+    deltanet: DeltaNetSpec | None = None
+    ffn_norm: str = "ffn_norm"  # tensor name of each layer's FFN RMSNorm
+    n_nextn: int = 0  # MTP blocks after the n_layer main ones (blk.{n_layer}..): read and checked, not run yet
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        return tuple(ls.ffn == "moe" for ls in self.layers)
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, ls in enumerate(self.layers) if ls.mixer != "deltanet"]
+
+    @property
+    def recurrent(self) -> bool:
+        """Some layer keeps a recurrent state (truncating then needs a snapshot)."""
+        return any(ls.recurrent for ls in self.layers)
 
     @property
     def is_moe(self) -> bool:
@@ -125,7 +192,10 @@ def spec_from_gguf(g: GGUFFile) -> ModelSpec:
     v_dim = int(g.get(f"{a}.attention.value_length") or head_dim)
     if v_dim != head_dim:
         raise ModelFormatError(f"{g.path.name}: key length {head_dim} != value length {v_dim} is not supported")
-    n_layer = int(_req(g, f"{a}.block_count"))
+    n_nextn = int(g.get(f"{a}.nextn_predict_layers") or 0)
+    n_layer = int(_req(g, f"{a}.block_count")) - n_nextn  # MTP blocks are counted in block_count
+    if n_layer < 1:
+        raise ModelFormatError(f"{g.path.name}: block_count leaves no layer besides {n_nextn} MTP layers")
     n_ctx_train = int(g.get(f"{a}.context_length") or 4096)
     n_expert = int(g.get(f"{a}.expert_count") or 0)
     n_expert_used = int(g.get(f"{a}.expert_used_count") or 0)
@@ -163,6 +233,8 @@ def spec_from_gguf(g: GGUFFile) -> ModelSpec:
 
     expert_norm = g.get(f"{a}.expert_weights_norm")
     moe_layers = tuple(g.has(f"blk.{i}.ffn_gate_inp.weight") for i in range(n_layer))
+    mixers, deltanet = _mixers(g, traits, n_layer, n_nextn)
+    layers = tuple(LayerSpec(m, "moe" if moe else "dense") for m, moe in zip(mixers, moe_layers))
     if n_expert and not any(moe_layers):
         raise ModelFormatError(f"{g.path.name}: expert_count is {n_expert} but no layer has ffn_gate_inp")
     n_ff_exp = int(g.get(f"{a}.expert_feed_forward_length") or 0)
@@ -181,5 +253,37 @@ def spec_from_gguf(g: GGUFFile) -> ModelSpec:
         shared_expert_gate=g.has(f"blk.{n_layer - 1}.ffn_gate_inp_shexp.weight"),
         tied_embeddings=not g.has("output.weight"),
         rope_freq_factors=g.has("rope_freqs.weight"),
-        moe_layers=moe_layers,
+        layers=layers, deltanet=deltanet, ffn_norm=traits.ffn_norm, n_nextn=n_nextn,
     )
+
+
+def _mixers(g: GGUFFile, traits: ArchTraits, n_layer: int, n_nextn: int) -> tuple[list[str], DeltaNetSpec | None]:
+    """Each layer's mixer kind, and the delta-net dimensions where the architecture has such layers."""
+    if not traits.hybrid:
+        return ["attention"] * n_layer, None
+    a = g.arch
+    rec = g.get(f"{a}.attention.recurrent_layers")
+    if rec is not None:  # one flag per block, MTP blocks included
+        rec = [bool(v) for v in rec]
+        if len(rec) not in (n_layer, n_layer + n_nextn):
+            raise ModelFormatError(f"{g.path.name}: {a}.attention.recurrent_layers has {len(rec)} entries for "
+                                   f"{n_layer} layers")
+        rec = rec[:n_layer]
+    else:  # llama.cpp's default: every interval-th layer is full attention
+        interval = int(g.get(f"{a}.full_attention_interval") or 4)
+        if interval < 1:
+            raise ModelFormatError(f"{g.path.name}: {a}.full_attention_interval is {interval}")
+        rec = [(i + 1) % interval != 0 for i in range(n_layer)]
+    dn = None
+    if any(rec):
+        ssm = {k: _req(g, f"{a}.ssm.{k}") for k in ("conv_kernel", "state_size", "group_count", "time_step_rank",
+                                                     "inner_size")}
+        hk, hv, dk = int(ssm["group_count"]), int(ssm["time_step_rank"]), int(ssm["state_size"])
+        if hk < 1 or hv < 1 or hv % hk or int(ssm["inner_size"]) % hv:
+            raise ModelFormatError(f"{g.path.name}: delta-net heads {hv} value / {hk} key with inner size "
+                                   f"{ssm['inner_size']} do not divide")
+        first = rec.index(True)
+        dn = DeltaNetSpec(n_k_head=hk, n_v_head=hv, head_k_dim=dk, head_v_dim=int(ssm["inner_size"]) // hv,
+                          conv_kernel=int(ssm["conv_kernel"]), tiled=traits.deltanet_tiled,
+                          split_ba=not g.has(f"blk.{first}.ssm_ba.weight"))
+    return ["deltanet" if r else "gated_attention" for r in rec], dn

@@ -9,6 +9,7 @@ from strata_nb.cpu_kernels import qtypes
 from strata_nb.errors import ModelFormatError
 from strata_nb.model.gguf_file import GGUFFile, TensorRef, type_name
 from strata_nb.model.spec import ModelSpec
+from strata_nb.model.tensors import TensorDef, layer_tensors
 
 
 @dataclass(frozen=True)
@@ -30,27 +31,63 @@ class Linear:
 
 
 @dataclass(frozen=True)
-class LayerWeights:
-    attn_norm: np.ndarray
+class Attention:
+    """Attention mixer; gated: wq yields [q | gate] per head and the output is scaled by sigmoid(gate)."""
+
     wq: Linear
     wk: Linear
     wv: Linear
     wo: Linear
     q_norm: np.ndarray | None
     k_norm: np.ndarray | None
-    ffn_norm: np.ndarray
-    ffn_gate: Linear | None = None  # dense FFN (dense layers and dense models)
-    ffn_up: Linear | None = None
-    ffn_down: Linear | None = None
-    router: Linear | None = None  # MoE layers
+    gated: bool = False
+
+
+@dataclass(frozen=True)
+class DeltaNet:
+    """Gated delta-net mixer (Qwen3-Next): projections, the causal conv, gates and the gated output norm."""
+
+    wqkv: Linear  # q, k, v of all heads: the conv's channels
+    wz: Linear  # the output gate z
+    wb: Linear  # beta (sigmoid); for a fused ssm_ba, wb is that matrix and ba_rows says where beta and alpha are
+    wa: Linear | None  # alpha (the decay's input); None when fused
+    conv: np.ndarray  # float32[conv_dim, K]
+    dt_bias: np.ndarray  # float32[Hv]
+    a: np.ndarray  # float32[Hv]: -exp(A_log)
+    norm: np.ndarray  # float32[dv]
+    wo: Linear
+    ba_rows: tuple[np.ndarray, np.ndarray] | None = None  # fused ssm_ba: the rows of beta and of alpha
+
+
+@dataclass(frozen=True)
+class DenseFFN:
+    ffn_gate: Linear
+    ffn_up: Linear
+    ffn_down: Linear
+
+
+@dataclass(frozen=True)
+class MoE:
+    router: Linear
     shexp_gate: Linear | None = None  # shared expert FFN
     shexp_up: Linear | None = None
     shexp_down: Linear | None = None
     shexp_gate_inp: np.ndarray | None = None  # float32[n_embd]: sigmoid gate of the shared expert
 
+
+@dataclass(frozen=True)
+class LayerWeights:
+    attn_norm: np.ndarray
+    ffn_norm: np.ndarray
+    mixer: Attention | DeltaNet
+    ffn: DenseFFN | MoE
+
+    @property
+    def router(self) -> Linear | None:
+        return self.ffn.router if isinstance(self.ffn, MoE) else None
+
     def dense_linears(self) -> list[Linear]:
-        return [m for m in (self.wq, self.wk, self.wv, self.wo, self.ffn_gate, self.ffn_up, self.ffn_down,
-                            self.router, self.shexp_gate, self.shexp_up, self.shexp_down) if m is not None]
+        return [m for part in (self.mixer, self.ffn) for m in vars(part).values() if isinstance(m, Linear)]
 
 
 @dataclass(frozen=True)
@@ -100,46 +137,65 @@ def _expect(g: GGUFFile, ref: TensorRef, shape: tuple[int, ...]) -> None:
         raise ModelFormatError(f"{g.path.name}: tensor {ref.name} has shape {list(ref.shape)}, expected {list(shape)}")
 
 
+def _ba_rows(dn) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of a fused ssm_ba: per key head, the betas of its Hv/Hk value heads, then their alphas."""
+    r = dn.n_v_head // dn.n_k_head
+    kh, j = np.divmod(np.arange(dn.n_v_head), r)
+    return (kh * 2 * r + j).astype(np.int64), (kh * 2 * r + r + j).astype(np.int64)
+
+
+def _bind(g: GGUFFile, p: str, defs: list[TensorDef]) -> dict[str, object]:
+    """Every tensor of a layer kind bound by its name (without the block prefix), its shape checked."""
+    out: dict[str, object] = {}
+    biases = {t.name for t in defs if t.role == "bias"}
+    for t in defs:
+        name = p + t.name
+        if t.role == "experts":  # bytes stay with the expert store; only the shape is checked here
+            _expect(g, g.tensor(name), t.shape)
+        elif t.role == "matrix":
+            out[t.name] = _linear(g, name, *t.shape, bias=t.name.replace(".weight", ".bias") in biases)
+        elif t.role == "bias":
+            continue  # read with its matrix
+        else:
+            ref = g.tensor(name)
+            if len(t.shape) == 1 and tuple(ref.shape) == (1, t.shape[0]):
+                out[t.name] = g.f32(ref).reshape(t.shape)  # a vector written as one row
+            else:
+                _expect(g, ref, t.shape)
+                out[t.name] = g.f32(ref)
+    return out
+
+
 def bind_weights(g: GGUFFile, spec: ModelSpec) -> ModelWeights:
-    d, qd, kvd = spec.n_embd, spec.q_dim, spec.kv_dim
+    d = spec.n_embd
     layers = []
     for i in range(spec.n_layer):
         p = f"blk.{i}."
-        if spec.qk_norm == "head":
-            qn, kn = _vector(g, p + "attn_q_norm.weight", spec.head_dim), _vector(g, p + "attn_k_norm.weight",
-                                                                                  spec.head_dim)
-        elif spec.qk_norm == "full":
-            qn, kn = _vector(g, p + "attn_q_norm.weight", qd), _vector(g, p + "attn_k_norm.weight", kvd)
+        shared_ff = g.tensor(p + "ffn_gate_shexp.weight").shape[0] if g.has(p + "ffn_gate_shexp.weight") else 0
+        t = _bind(g, p, layer_tensors(spec, i, shared_ff))
+        kind = spec.layers[i].mixer
+        if kind == "deltanet":
+            dn = spec.deltanet
+            fused = not dn.split_ba
+            mixer = DeltaNet(
+                wqkv=t["attn_qkv.weight"], wz=t["attn_gate.weight"],
+                wb=t["ssm_ba.weight"] if fused else t["ssm_beta.weight"],
+                wa=None if fused else t["ssm_alpha.weight"],
+                conv=t["ssm_conv1d.weight"], dt_bias=t["ssm_dt.bias"], a=t["ssm_a"], norm=t["ssm_norm.weight"],
+                wo=t["ssm_out.weight"], ba_rows=_ba_rows(dn) if fused else None)
         else:
-            qn = kn = None
-        kw = dict(
-            attn_norm=_vector(g, p + "attn_norm.weight", d),
-            wq=_linear(g, p + "attn_q.weight", qd, d, spec.qkv_bias),
-            wk=_linear(g, p + "attn_k.weight", kvd, d, spec.qkv_bias),
-            wv=_linear(g, p + "attn_v.weight", kvd, d, spec.qkv_bias),
-            wo=_linear(g, p + "attn_output.weight", d, qd),
-            q_norm=qn, k_norm=kn,
-            ffn_norm=_vector(g, p + "ffn_norm.weight", d),
-        )
-        if spec.moe_layers[i]:
-            kw["router"] = _linear(g, p + "ffn_gate_inp.weight", spec.n_expert, d)
-            for kind in ("gate", "up", "down"):
-                ref = g.tensor(f"{p}ffn_{kind}_exps.weight")
-                want = (spec.n_expert, spec.n_ff_exp, d) if kind != "down" else (spec.n_expert, d, spec.n_ff_exp)
-                _expect(g, ref, want)
-            if g.has(p + "ffn_gate_shexp.weight"):
-                f = g.tensor(p + "ffn_gate_shexp.weight").shape[0]
-                kw["shexp_gate"] = _linear(g, p + "ffn_gate_shexp.weight", f, d)
-                kw["shexp_up"] = _linear(g, p + "ffn_up_shexp.weight", f, d)
-                kw["shexp_down"] = _linear(g, p + "ffn_down_shexp.weight", d, f)
-                if g.has(p + "ffn_gate_inp_shexp.weight"):
-                    kw["shexp_gate_inp"] = _vector(g, p + "ffn_gate_inp_shexp.weight", d)
+            mixer = Attention(wq=t["attn_q.weight"], wk=t["attn_k.weight"], wv=t["attn_v.weight"],
+                              wo=t["attn_output.weight"], q_norm=t.get("attn_q_norm.weight"),
+                              k_norm=t.get("attn_k_norm.weight"), gated=kind == "gated_attention")
+        if spec.layers[i].ffn == "moe":
+            ffn = MoE(router=t["ffn_gate_inp.weight"], shexp_gate=t.get("ffn_gate_shexp.weight"),
+                      shexp_up=t.get("ffn_up_shexp.weight"), shexp_down=t.get("ffn_down_shexp.weight"),
+                      shexp_gate_inp=t.get("ffn_gate_inp_shexp.weight"))
         else:
-            f = spec.n_ff
-            kw["ffn_gate"] = _linear(g, p + "ffn_gate.weight", f, d)
-            kw["ffn_up"] = _linear(g, p + "ffn_up.weight", f, d)
-            kw["ffn_down"] = _linear(g, p + "ffn_down.weight", d, f)
-        layers.append(LayerWeights(**kw))
+            ffn = DenseFFN(t["ffn_gate.weight"], t["ffn_up.weight"], t["ffn_down.weight"])
+        layers.append(LayerWeights(attn_norm=t["attn_norm.weight"], ffn_norm=t[f"{spec.ffn_norm}.weight"],
+                                   mixer=mixer, ffn=ffn))
+    check_nextn(g, spec)
     embd = _linear(g, "token_embd.weight", spec.n_vocab, d)
     output = embd if spec.tied_embeddings else _linear(g, "output.weight", spec.n_vocab, d)
     if spec.rope_freq_factors:
@@ -148,3 +204,16 @@ def bind_weights(g: GGUFFile, spec: ModelSpec) -> ModelWeights:
         rope_freqs = np.ones(spec.rope.n_rot // 2, np.float32)
     return ModelWeights(embd=embd, output_norm=_vector(g, "output_norm.weight", d), output=output,
                         rope_freqs=rope_freqs, layers=layers)
+
+
+def check_nextn(g: GGUFFile, spec: ModelSpec) -> None:
+    """MTP blocks (blk.{n_layer}..): every tensor present with its shape, bound to nothing (not run yet)."""
+    for i in range(spec.n_layer, spec.n_layer + spec.n_nextn):
+        p = f"blk.{i}."
+        shared_ff = g.tensor(p + "ffn_gate_shexp.weight").shape[0] if g.has(p + "ffn_gate_shexp.weight") else 0
+        for t in layer_tensors(spec, i, shared_ff):
+            if t.name == "nextn.shared_head_norm.weight" and not g.has(p + t.name):
+                continue  # optional: llama.cpp falls back to output_norm
+            ref = g.tensor(p + t.name)
+            if not (len(t.shape) == 1 and tuple(ref.shape) == (1, t.shape[0])):
+                _expect(g, ref, t.shape)

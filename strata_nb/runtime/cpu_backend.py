@@ -1,4 +1,5 @@
-"""The forward pass on the CPU: one layer function for every architecture, branching on ModelSpec fields.
+"""The forward pass on the CPU: a loop over the layers, each a token mixer by its kind (cpu_blocks/: attention,
+gated delta-net) and an FFN (dense, or MoE: the routed experts here, shared with the hybrid engine's CPU pool).
 
 Prompts run as batches (matrix-matrix over all prompt tokens), decode as the one-token case of the same code.
 Weights stay in their GGUF quant layout in the memory map; experts come from an ExpertStore (experts.store):
@@ -6,18 +7,19 @@ in place in the map, or tiered (arena, recently read blobs, SSD reads with looka
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from strata_nb.cpu_kernels import actq, ops
+from strata_nb.cpu_kernels import actq, ops, qtypes
 from strata_nb.cpu_kernels.matmul import _is_float, dequant_rows, matmul_f32, matmul_q8, moe_ffn_for
 from strata_nb.experts.store import ExpertStore, MappedStore
 from strata_nb.model.spec import ModelSpec
 from strata_nb.model.weights import LayerWeights, Linear, ModelWeights
-from strata_nb.runtime.session import Session
+from strata_nb.runtime.cpu_blocks import MIXERS
+from strata_nb.runtime.cpu_blocks.common import Activation, Positions
+from strata_nb.runtime.session import Session, host_states
 
 
 @dataclass
@@ -27,24 +29,6 @@ class ForwardStats:
     expert_s: float = 0.0
     expert_bytes: int = 0
     dense_bytes: int = 0
-
-
-class Activation:
-    """A float32 activation [T, K] with its int8 forms (one per activation group size, actq.group), each made once
-    and shared by every consumer."""
-
-    __slots__ = ("x", "_q")
-
-    def __init__(self, x: np.ndarray, q: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
-        self.x = x
-        self._q = {} if q is None else {x.shape[1] // q[1].shape[1]: q}
-
-    def q(self, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The int8 form in groups of `group` (xq, xd, xs)."""
-        q = self._q.get(group)
-        if q is None:
-            q = self._q[group] = actq.quantize(self.x, group)
-        return q
 
 
 class CPUBackend:
@@ -58,7 +42,7 @@ class CPUBackend:
         self._corr = r.corr_dims() if r.ext_factor else (0.0, 0.0)
         moe = [i for i, lw in enumerate(weights.layers) if lw.router is not None]
         self._next_moe = dict(zip(moe, moe[1:]))
-        self._qk_mode = {"none": ops.QK_NORM_NONE, "head": ops.QK_NORM_HEAD, "full": ops.QK_NORM_FULL}[spec.qk_norm]
+        self._mixers = [MIXERS[ls.mixer] for ls in spec.layers]
         # Per MoE layer: the routed-expert kernel specialized for its quant types, and its matrix geometry.
         self._moe: dict[int, tuple] = {}
         self._skip_routed = False  # warm_up(routed=False)
@@ -82,7 +66,7 @@ class CPUBackend:
                 if mg.rows != mu.rows or md.rows != spec.n_embd:
                     raise ValueError(f"layer {l}: expert matrices of {mg.rows}, {mu.rows} and {md.rows} rows")
                 kern = moe_ffn_for(bool(fast), int(mg.qtype), int(mu.qtype), int(md.qtype))
-                self._grp[l] = tuple(self._group(int(m.qtype)) for m in (mg, mu, md))
+                self._grp[l] = tuple(self.group(int(m.qtype)) for m in (mg, mu, md))
                 self._moe[l] = (kern, mg.rows, md.rows, mg.nbytes + mu.nbytes + md.nbytes)
         # the int8 group of each layer's FFN input: that of its first quantized consumer
         self._ffn_group = [self._ffn_in_group(l, lw) for l, lw in enumerate(weights.layers)]
@@ -91,7 +75,7 @@ class CPUBackend:
     def linear(self, m: Linear, a: Activation) -> np.ndarray:
         out = np.empty((a.x.shape[0], m.n_out), np.float32)
         if self.fast:
-            group = self._group(m.qtype)
+            group = self.group(m.qtype)
             xq, xd, xs = a.q(group) if group else _EMPTY
             matmul_q8(m.qtype, m.rows, a.x, xq, xd, xs, out)
         else:
@@ -105,16 +89,16 @@ class CPUBackend:
         ops.rmsnorm(x, w, np.float32(self.spec.rms_eps), out)
         return out
 
-    def _group(self, qtype: int) -> int | None:
+    def group(self, qtype: int) -> int | None:
         """The int8 activation group for matrices of qtype, None where they take float32 activations."""
         return actq.group(qtype) if self.fast and not _is_float(qtype) else None
 
     def _ffn_in_group(self, layer: int, lw: LayerWeights) -> int | None:
         if lw.router is None:
-            return self._group(lw.ffn_gate.qtype)
+            return self.group(lw.ffn.ffn_gate.qtype)
         if self.experts is not None:
-            return self._group(self.experts.src.matrix(layer, "gate").qtype)
-        return self._group(lw.shexp_gate.qtype) if lw.shexp_gate is not None else None
+            return self.group(self.experts.src.matrix(layer, "gate").qtype)
+        return self.group(lw.ffn.shexp_gate.qtype) if lw.ffn.shexp_gate is not None else None
 
     def norm_act(self, x: np.ndarray, w: np.ndarray, group: int | None) -> Activation:
         """rmsnorm(x) * w as the input of matmuls; on the fast path quantized in the same kernel call, in the
@@ -128,7 +112,7 @@ class CPUBackend:
 
     def swiglu(self, g: np.ndarray, u: np.ndarray, down: Linear) -> Activation:
         """silu(g) * u as the input of the down projection; on the fast path quantized in the same call."""
-        group = self._group(down.qtype)
+        group = self.group(down.qtype)
         if group is None or g.shape[1] % group:
             h = np.empty_like(g)
             ops.silu_mul(g, u, h)
@@ -141,19 +125,7 @@ class CPUBackend:
     def ffn(self, gate: Linear, up: Linear, down: Linear, a: Activation) -> np.ndarray:
         return self.linear(down, self.swiglu(self.linear(gate, a), self.linear(up, a), down))
 
-    # -- layers -------------------------------------------------------------------------------------------
-    def attention(self, lw: LayerWeights, layer: int, x: np.ndarray, session: Session, cos, sin) -> np.ndarray:
-        s = self.spec
-        t = x.shape[0]
-        a = self.norm_act(x, lw.attn_norm, self._group(lw.wq.qtype))
-        q, k, v = self.linear(lw.wq, a), self.linear(lw.wk, a), self.linear(lw.wv, a)
-        o = np.empty((t, s.n_head, s.head_dim), np.float32)
-        ops.attention_block(q, k, v, _ONE if lw.q_norm is None else lw.q_norm,
-                            _ONE if lw.k_norm is None else lw.k_norm, self._qk_mode, np.float32(s.rms_eps), cos, sin,
-                            s.rope.style == "neox", session.k[layer], session.v[layer], session.pos,
-                            np.float32(1.0 / math.sqrt(s.head_dim)), o)
-        return self.linear(lw.wo, Activation(o.reshape(t, s.q_dim)))
-
+    # -- the FFN of MoE layers ----------------------------------------------------------------------------
     def route(self, lw: LayerWeights, a: Activation) -> tuple[np.ndarray, np.ndarray]:
         """The router's top-k experts ids i32[T, k] and their weights f32[T, k]."""
         s = self.spec
@@ -256,11 +228,13 @@ class CPUBackend:
         ids, wts = self.route(lw, a)
         out = np.empty((a.x.shape[0], self.spec.n_embd), np.float32)
         self.routed_experts(layer, a, ids, wts, out)
-
-        if lw.shexp_gate is not None:
-            sh = self.ffn(lw.shexp_gate, lw.shexp_up, lw.shexp_down, a)
-            if lw.shexp_gate_inp is not None:
-                sh *= 1.0 / (1.0 + np.exp(-(a.x @ lw.shexp_gate_inp)))[:, None]
+        f = lw.ffn
+        if f.shexp_gate is not None:
+            sh = self.ffn(f.shexp_gate, f.shexp_up, f.shexp_down, a)
+            if f.shexp_gate_inp is not None:  # a row kernel, not BLAS: a token's gate must not depend on its batch
+                gate = np.empty((a.x.shape[0], 1), np.float32)
+                matmul_f32(qtypes.F32, f.shexp_gate_inp.view(np.uint8).reshape(1, -1), a.x, gate)
+                sh *= 1.0 / (1.0 + np.exp(-gate))
             out += sh
         return out
 
@@ -294,6 +268,9 @@ class CPUBackend:
         b._skip_routed = not routed
         b.forward(Session(self.spec, 1), np.zeros(1, np.int64))
 
+    def new_session(self, n_ctx: int) -> Session:
+        return Session(self.spec, n_ctx, host_states(self.spec, n_ctx))
+
     def routed_kernel_layers(self) -> list[int]:
         """One MoE layer per distinct routed-expert driver (the drivers a warm-up compiles)."""
         first: dict[int, int] = {}
@@ -326,23 +303,26 @@ class CPUBackend:
         tokens = np.asarray(tokens, np.int64)
         t = len(tokens)
         session.reserve(t)
+        if session.pos == 0:
+            session.reset()  # a recurrent state starts from zeros
         x = np.empty((t, s.n_embd), np.float32)
         dequant_rows(self.w.embd.qtype, self.w.embd.rows, tokens, x)
         positions = np.arange(session.pos, session.pos + t, dtype=np.float64)
         r = s.rope
         cos, sin = ops.rope_tables(positions, r.n_rot, r.base, r.freq_scale, r.ext_factor, r.attn_factor,
                                    self._corr[0], self._corr[1], self.w.rope_freqs.astype(np.float64))
+        at = Positions(session.pos, cos, sin)
         for i, lw in enumerate(self.w.layers):
-            x += self.attention(lw, i, x, session, cos, sin)
+            x += self._mixers[i](self, lw, x, session.states[i], at)
             a = self.norm_act(x, lw.ffn_norm, self._ffn_group[i])
             if lw.router is not None:
                 self.lookahead(i, a)
                 x += self.moe(lw, i, a)
             else:
-                x += self.ffn(lw.ffn_gate, lw.ffn_up, lw.ffn_down, a)
+                x += self.ffn(lw.ffn.ffn_gate, lw.ffn.ffn_up, lw.ffn.ffn_down, a)
         if not all_logits:
             x = x[-1:]
-        logits = self.linear(self.w.output, self.norm_act(x, self.w.output_norm, self._group(self.w.output.qtype)))
+        logits = self.linear(self.w.output, self.norm_act(x, self.w.output_norm, self.group(self.w.output.qtype)))
         session.advance([int(v) for v in tokens])
         if self.experts is not None:
             self.experts.end_forward(t)
@@ -350,5 +330,4 @@ class CPUBackend:
         return logits
 
 
-_ONE = np.ones(1, np.float32)  # stands in for an absent QK-norm weight
 _EMPTY = (np.zeros((1, 32), np.int8), np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32))  # never read

@@ -20,6 +20,7 @@ import math
 import os
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -44,7 +45,7 @@ from strata_nb.runtime.cuda_rt import SIM, Graph, stream_wait, sync_event
 from strata_nb.runtime.doorbell import Mailbox
 from strata_nb.runtime.gpu_sampler import GPUSampler, checked_token
 from strata_nb.runtime.sampler import Sampler, SamplerConfig
-from strata_nb.runtime.session import Session
+from strata_nb.runtime.session import Session, make_states, state_bytes
 
 Op = Callable[[object], None]  # enqueues kernels on the stream it is given
 WARM_TOKENS = 16  # decode tokens the VRAM cache gets to adapt before its hit rate is judged (late_*, routed)
@@ -101,8 +102,9 @@ KV_TYPES = {"f16": np.float16, "f32": np.float32}  # the KV cache's element type
 
 
 def kv_bytes(spec: ModelSpec, n_ctx: int, kv_type: str = "f16") -> int:
-    """The KV cache on the device (f16 by default, as llama.cpp; f32 for a reference-exact attention)."""
-    return 2 * spec.n_layer * spec.n_head_kv * n_ctx * spec.head_dim * np.dtype(KV_TYPES[kv_type]).itemsize
+    """The layers' states on the device: KV caches (f16 by default, as llama.cpp; f32 for a reference-exact
+    attention) and recurrent states (f32)."""
+    return state_bytes(spec, n_ctx, np.dtype(KV_TYPES[kv_type]).itemsize)
 
 
 @dataclass
@@ -196,9 +198,11 @@ class GPUBackend:
             # nothing reads after it). Garbage there is harmless on a GPU; the simulator's Python math raises on it.
             return cuda.to_device(np.zeros(shape, dt))
 
-        kvt = KV_TYPES[self.kv_type]
-        self.kc = [cuda.to_device(np.zeros((s.n_head_kv, self.n_ctx, s.head_dim), kvt)) for _ in range(s.n_layer)]
-        self.vc = [cuda.to_device(np.zeros((s.n_head_kv, self.n_ctx, s.head_dim), kvt)) for _ in range(s.n_layer)]
+        # the layers' states: the captured graphs hold their addresses, so every session of this engine uses them
+        # (one at a time: Session.restore copies a snapshot into them)
+        self.states = make_states(s, self.n_ctx, lambda shape, dt: cuda.to_device(np.zeros(shape, dt)),
+                                  KV_TYPES[self.kv_type], lambda a: a.copy_to_device(np.zeros(a.shape, a.dtype)))
+        self._owner: Session | None = None
         self.x, self.xn, self.sy = z(tm, s.n_embd), z(tm, s.n_embd), z(tm, s.n_embd)
         self.q, self.att = z(tm, s.q_dim), z(tm, s.q_dim)
         self.k, self.v = z(tm, s.kv_dim), z(tm, s.kv_dim)
@@ -210,7 +214,8 @@ class GPUBackend:
             self.rl, self.ids, self.wts = z(tm, s.n_expert), z(tm, k, dt=np.int32), z(tm, k)
             self.eh = z(tm * k, s.n_ff_exp)
             self.done = cuda.to_device(np.zeros(1, np.int32))  # route_topk's count of blocks done publishing
-        f_sh = max((lw.shexp_gate.n_out for lw in self.w.layers if lw.shexp_gate is not None), default=0)
+        f_sh = max((lw.ffn.shexp_gate.n_out for lw in self.w.layers
+                    if lw.router is not None and lw.ffn.shexp_gate is not None), default=0)
         if f_sh:
             self.sg, self.su, self.sh = z(tm, f_sh), z(tm, f_sh), z(tm, f_sh)
         if s.n_ff:
@@ -264,7 +269,7 @@ class GPUBackend:
         self._decode: list[_Segment] | None = None  # captured lazily after one direct decode step
         self._decode_logits: list[_Segment] | None = None
         self.stream.synchronize()
-        self.vram = {"dense": self._dense_bytes, "kv": 2 * sum(a.nbytes for a in self.kc),
+        self.vram = {"dense": self._dense_bytes, "kv": sum(st.nbytes for st in self.states),
                      "experts": self.cache.nbytes if self.cache else 0}
 
     def weights_for_device(self) -> dict:
@@ -286,9 +291,12 @@ class GPUBackend:
             return cuda.to_device(np.ascontiguousarray(a, np.float32))
 
         layers = []
-        for lw in self.w.layers:
-            layers.append({f.name: (lin(getattr(lw, f.name)) if isinstance(getattr(lw, f.name), Linear)
-                                    else vec(getattr(lw, f.name))) for f in dataclasses.fields(lw)})
+        for lw in self.w.layers:  # one dict per layer: its norms, mixer and FFN tensors by field name
+            fields = {"attn_norm": lw.attn_norm, "ffn_norm": lw.ffn_norm, **vars(lw.mixer), **vars(lw.ffn)}
+            L = defaultdict(lambda: None)  # a kind's absent tensors (router of a dense FFN, ...) read as None
+            L.update({k: lin(v) if isinstance(v, Linear) else vec(v) if isinstance(v, np.ndarray) else v
+                      for k, v in fields.items()})
+            layers.append(L)
         emb = lin(self.w.embd)
         out = emb if self.w.output is self.w.embd else lin(self.w.output)
         d = {"layers": layers, "embd": emb, "output": out, "output_norm": vec(self.w.output_norm)}
@@ -326,7 +334,7 @@ class GPUBackend:
         mode = {"none": kops.QK_NONE, "head": kops.QK_HEAD, "full": kops.QK_FULL}[s.qk_norm]
         qn = L["q_norm"] if L["q_norm"] is not None else self.mult  # unused without QK-norm
         kn = L["k_norm"] if L["k_norm"] is not None else self.mult
-        kc, vc = self.kc[l], self.vc[l]
+        kc, vc = self.states[l].k, self.states[l].v
         ops.append(lambda st: kops.qk_rope_kv(self.q, self.k, self.v, qn, kn, mode, float(s.rms_eps), self.mult,
                                               self.mscale, r.style == "neox", r.n_rot, s.n_head, s.n_head_kv,
                                               s.head_dim, kc, vc, self.pos, T, st))
@@ -676,8 +684,31 @@ class GPUBackend:
         else:
             self._call(self._warm_up)
 
+    def new_session(self, n_ctx: int) -> Session:
+        """A session on this engine's device state (its KV caches); an older session continues only once a
+        snapshot is restored into it."""
+        if n_ctx != self.n_ctx:
+            raise StrataError(f"this GPU engine's state holds {self.n_ctx} positions, not {n_ctx}")
+        self._owner = Session(self.spec, n_ctx, self.states)
+        return self._owner
+
+    def _hold(self, session: Session) -> bool:
+        """The device state is the session's: it made it, restored a snapshot into it, or starts a sequence.
+        Returns whether the state changed under the device's own sequence (another session, a restore)."""
+        if session.states is not self.states:
+            raise StrataError("this session was not made by this GPU engine (Engine.new_session)")
+        changed = session.restored or session is not self._owner
+        if session is not self._owner:
+            if session.pos != 0 and not session.restored:
+                raise StrataError("another session has used this GPU engine's state since: restore a snapshot "
+                                  "into this one (Session.restore) to continue it")
+            self._owner = session
+        session.restored = False
+        return changed
+
     def forward(self, session: Session, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:
         tokens = np.asarray(tokens, np.int64)
+        self._hold(session)
         session.reserve(len(tokens))
         logits = self._call(self._forward, session.pos, tokens, "logits", all_logits)
         session.advance([int(t) for t in tokens])
@@ -690,14 +721,17 @@ class GPUBackend:
         caller will probably ask for the token after this one (then, where a token needs no host work, its
         forward starts before this call returns)."""
         tokens = np.asarray(tokens, np.int64)
+        changed = self._hold(session)
         session.reserve(len(tokens))
-        if len(tokens) > 1 or sampler is not self._bound_sampler:
+        # the device continues its own sequence (its last draw as input, at the position after it) only when the
+        # caller continues it too; anything else (a prompt, another token, a restored state) starts afresh
+        continues = (not changed and len(tokens) == 1 and sampler is self._bound_sampler
+                     and int(tokens[0]) == self._last_token and session.pos == self._dev_pos - (self._ahead > 0))
+        if not continues:
             self._call(self._bind_sampler, sampler, history)
             self._call(self._forward, session.pos, tokens, "sample", False)
             tok = self._sampled(self._seq)
             sampler.step += 1
-        elif session.pos != self._dev_pos - (self._ahead > 0) or int(tokens[0]) != self._last_token:
-            raise StrataError("the GPU sampler continues its own sequence: pass it the token it drew")
         else:
             t0, h0 = time.perf_counter(), self.hybrid.wall_s
             # the forward launched ahead sits at the session's next position: only within the context

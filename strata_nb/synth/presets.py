@@ -10,7 +10,8 @@ from strata_nb.errors import StrataError
 class Shape:
     """Hyperparameters of one synthetic model; `arch` is the GGUF architecture string llama.cpp reads."""
 
-    arch: str  # qwen3moe, qwen2moe, olmoe, llama (dense or Mixtral-style with experts), qwen2, qwen3
+    arch: str  # qwen3moe, qwen2moe, olmoe, llama (dense or Mixtral-style with experts), qwen2, qwen3, qwen3next,
+    # qwen35moe
     hidden: int
     layers: int
     n_head: int
@@ -27,6 +28,15 @@ class Shape:
     context: int = 4096
     yarn_factor: float = 0.0  # > 0: write rope.scaling.* keys for YaRN with original context `context / factor`
     name: str = "synthetic"
+    # Qwen3-Next layers (qwen3next, qwen35moe): gated attention on every attn_interval-th layer, gated delta-net
+    # on the others, with dn_k_heads key heads and dn_v_heads value heads of dn_head_dim, a conv of dn_conv taps
+    attn_interval: int = 0
+    dn_k_heads: int = 0
+    dn_v_heads: int = 0
+    dn_head_dim: int = 0
+    dn_conv: int = 4
+    rope_dim: int = 0  # rotated dimensions per head (0: all of head_dim)
+    mtp_layers: int = 0  # MTP blocks (llama.cpp's nextn) after the main layers
 
     @property
     def q_dim(self) -> int:
@@ -40,10 +50,6 @@ class Shape:
     def moe_ffn(self) -> int:
         """Width of one routed expert."""
         return self.expert_ffn or self.ffn
-
-    @property
-    def qk_norm(self) -> bool:
-        return self.arch in ("qwen3", "qwen3moe", "olmoe")
 
     @property
     def qkv_bias(self) -> bool:
@@ -69,10 +75,23 @@ TINY: dict[str, Shape] = {
     "qwen2": Shape("qwen2", 256, 4, 4, 2, 64, 640, rope_base=1e6, context=2048, name="tiny-qwen2"),
     "qwen3": Shape("qwen3", 256, 4, 4, 2, 64, 640, rope_base=1e6, context=2048, name="tiny-qwen3"),
     "llama": Shape("llama", 256, 4, 4, 2, 64, 640, rope_base=5e5, rms_eps=1e-5, context=2048, name="tiny-llama"),
+    # 3 delta-net layers and one gated attention layer, Hv = 2 Hk (the key-to-value head mapping matters)
+    "qwen3next": Shape("qwen3next", 256, 4, 4, 2, 64, 640, n_expert=8, n_expert_used=2, expert_ffn=160,
+                       shared_ffn=320, rope_base=1e7, context=2048, attn_interval=4, dn_k_heads=2, dn_v_heads=4,
+                       dn_head_dim=64, rope_dim=16, name="tiny-qwen3next"),
+    "qwen35moe": Shape("qwen35moe", 256, 4, 4, 2, 64, 640, n_expert=8, n_expert_used=2, expert_ffn=160,
+                       shared_ffn=320, rope_base=1e7, context=2048, attn_interval=4, dn_k_heads=2, dn_v_heads=4,
+                       dn_head_dim=64, rope_dim=16, name="tiny-qwen35moe"),
 }
 
 # Published shapes (config.json of each model; vocab sizes are the embedding rows of the real checkpoints).
 PUBLISHED: dict[str, Shape] = {
+    # Qwen3-Next-80B-A3B: 48 layers (every 4th gated attention, 16 q / 2 kv heads of 256, a quarter rotated; the
+    # others gated delta-net, 16 key / 32 value heads of 128), 512 experts top-10 of 512 + a shared expert of 512
+    "qwen3-next-80b-a3b": Shape("qwen3next", 2048, 48, 16, 2, 256, 5120, vocab=151936, n_expert=512,
+                                n_expert_used=10, expert_ffn=512, shared_ffn=512, rope_base=1e7, context=262144,
+                                attn_interval=4, dn_k_heads=16, dn_v_heads=32, dn_head_dim=128, rope_dim=64,
+                                name="Qwen3-Next-80B-A3B (synthetic)"),
     "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 128, 6144, vocab=151936, n_expert=128, n_expert_used=8,
                            expert_ffn=768, rope_base=1e6, context=40960, name="Qwen3-30B-A3B (synthetic)"),
     "qwen3-235b-a22b": Shape("qwen3moe", 4096, 94, 64, 4, 128, 12288, vocab=151936, n_expert=128,
@@ -100,7 +119,9 @@ MICRO = Shape("qwen3moe", 64, 2, 2, 1, 32, 128, n_expert=4, n_expert_used=2, exp
               context=512, name="micro-qwen3moe")
 
 PRESETS: tuple[str, ...] = ("tiny", "demo", *PUBLISHED, "tiny-moe64", "micro")
-TINY_ARCHS: tuple[str, ...] = tuple(TINY)
+# the attention-only architectures (transformers loads their GGUF files; it cannot load qwen3next/qwen35moe ones)
+TINY_ARCHS: tuple[str, ...] = tuple(a for a in TINY if not TINY[a].attn_interval)
+TINY_HYBRID: tuple[str, ...] = tuple(a for a in TINY if TINY[a].attn_interval)
 
 
 def resolve(preset: str, arch: str | None = None, layers: int | None = None, small_vocab: bool = False) -> Shape:

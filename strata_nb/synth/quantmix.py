@@ -34,10 +34,10 @@ def _fallback(qtype: T, ncols: int) -> T:
 
 
 def quantizable(name: str, ndim: int) -> bool:
-    """llama.cpp's tensor_allows_quantization for the tensors these models have: 2-D/3-D weights except norms
-    and the router."""
+    """llama.cpp's tensor_allows_quantization for the tensors these models have: 2-D/3-D weights except norms,
+    the router and the delta-net's conv."""
     return (ndim >= 2 and name.endswith("weight") and "_norm.weight" not in name
-            and "ffn_gate_inp.weight" not in name)
+            and "ffn_gate_inp.weight" not in name and "ssm_conv1d.weight" not in name)
 
 
 def tensor_type(mix: str, name: str, shape: tuple[int, ...], n_layer: int, n_expert: int) -> T:
@@ -58,6 +58,8 @@ def tensor_type(mix: str, name: str, shape: tuple[int, ...], n_layer: int, n_exp
         qtype = T.Q6_K if use_more_bits(layer, n_layer) else T.Q4_K
         if n_expert == 8:
             qtype = T.Q8_0
+    elif "attn_qkv.weight" in name:  # the delta-net's fused projection
+        qtype = T.Q5_K
     elif "attn_k.weight" in name:
         if n_expert == 8:
             qtype = T.Q8_0

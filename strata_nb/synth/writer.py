@@ -12,6 +12,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from strata_nb.errors import StrataError
+from strata_nb.model.spec import ARCHITECTURES, DeltaNetSpec, LayerSpec, ModelSpec, RopeSpec
+from strata_nb.model.tensors import TensorDef, layer_tensors
 from strata_nb.synth import blocks, quantmix, skew as skewmod, vocab
 from strata_nb.synth.presets import Shape, resolve
 
@@ -57,49 +59,54 @@ def _align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
+def model_spec(s: Shape, n_vocab: int) -> ModelSpec:
+    """The ModelSpec a file of this shape will be read as (what model/tensors.py needs to list its tensors)."""
+    traits = ARCHITECTURES[s.arch]
+    mixers = ["attention"] * s.layers
+    dn = None
+    if s.attn_interval:
+        mixers = ["deltanet" if (i + 1) % s.attn_interval else "gated_attention" for i in range(s.layers)]
+        dn = DeltaNetSpec(s.dn_k_heads, s.dn_v_heads, s.dn_head_dim, s.dn_head_dim, s.dn_conv,
+                          tiled=traits.deltanet_tiled, split_ba=traits.deltanet_tiled)
+    ffn = "moe" if s.n_expert else "dense"
+    return ModelSpec(
+        arch=s.arch, n_layer=s.layers, n_embd=s.hidden, n_head=s.n_head, n_head_kv=s.n_head_kv, head_dim=s.head_dim,
+        n_vocab=n_vocab, n_ctx_train=s.context, rms_eps=s.rms_eps,
+        rope=RopeSpec(traits.rope_style, s.rope_dim or s.head_dim, s.rope_base), qk_norm=traits.qk_norm,
+        qkv_bias=s.qkv_bias, n_ff=s.ffn, n_expert=s.n_expert, n_expert_used=s.n_expert_used, n_ff_exp=s.moe_ffn,
+        shared_expert=bool(s.shared_ffn), shared_expert_gate=bool(s.shared_ffn),
+        layers=tuple(LayerSpec(m, ffn) for m in mixers), deltanet=dn, ffn_norm=traits.ffn_norm)
+
+
+def _std_mean(t: TensorDef, s: Shape) -> tuple[float, float]:
+    """The random distribution of a tensor: matrices keep activations at unit scale (rows of std n_in^-1/2),
+    RMSNorm gains near one, varied so a loader that ignores them is caught."""
+    if t.role in ("matrix", "experts"):
+        gain = ROUTER_GAIN if t.name == "ffn_gate_inp.weight" else 1.0
+        return gain * t.shape[-1] ** -0.5, 0.0
+    if t.role == "norm":
+        return 0.1, 1.0
+    if t.role == "bias":
+        return 0.1, 0.0
+    if t.name == "ssm_a":  # -exp(A_log): decays between exp(-0.05) and exp(-0.5) a token at softplus ~ 1
+        return 0.05, -0.25
+    if t.name == "ssm_dt.bias":
+        return 0.5, 0.0
+    if t.name == "ssm_conv1d.weight":
+        return s.dn_conv ** -0.5, 0.0
+    return t.shape[-1] ** -0.5, 0.0  # ffn_gate_inp_shexp
+
+
 def _tensor_specs(s: Shape, n_vocab: int) -> list[tuple[str, tuple[int, ...], float, float]]:
-    """(name, numpy shape, std, mean) for every tensor, in llama.cpp's names."""
-    H = s.hidden
-    norm = (1.0, 0.1)  # RMSNorm gains near one, varied so a loader that ignores them is caught
-    specs: list[tuple[str, tuple[int, ...], float, float]] = [("token_embd.weight", (n_vocab, H), 1.0, 0.0)]
+    """(name, numpy shape, std, mean) for every tensor, in llama.cpp's names, from model/tensors.py's table."""
+    spec = model_spec(s, n_vocab)
+    specs: list[tuple[str, tuple[int, ...], float, float]] = [("token_embd.weight", (n_vocab, s.hidden), 1.0, 0.0)]
     for i in range(s.layers):
-        b = f"blk.{i}."
-
-        def add(name: str, shape: tuple[int, ...], std: float, mean: float = 0.0) -> None:
-            specs.append((b + name, shape, std, mean))
-
-        add("attn_norm.weight", (H,), norm[1], norm[0])
-        add("attn_q.weight", (s.q_dim, H), H ** -0.5)
-        add("attn_k.weight", (s.kv_dim, H), H ** -0.5)
-        add("attn_v.weight", (s.kv_dim, H), H ** -0.5)
-        if s.qkv_bias:
-            add("attn_q.bias", (s.q_dim,), 0.1)
-            add("attn_k.bias", (s.kv_dim,), 0.1)
-            add("attn_v.bias", (s.kv_dim,), 0.1)
-        if s.qk_norm:
-            # olmoe normalizes the whole q / k projection, qwen3 each head
-            qn, kn = (s.q_dim, s.kv_dim) if s.arch == "olmoe" else (s.head_dim, s.head_dim)
-            add("attn_q_norm.weight", (qn,), norm[1], norm[0])
-            add("attn_k_norm.weight", (kn,), norm[1], norm[0])
-        add("attn_output.weight", (H, s.q_dim), s.q_dim ** -0.5)
-        add("ffn_norm.weight", (H,), norm[1], norm[0])
-        if s.n_expert:
-            E, F = s.n_expert, s.moe_ffn
-            add("ffn_gate_inp.weight", (E, H), ROUTER_GAIN * H ** -0.5)
-            add("ffn_gate_exps.weight", (E, F, H), H ** -0.5)
-            add("ffn_up_exps.weight", (E, F, H), H ** -0.5)
-            add("ffn_down_exps.weight", (E, H, F), F ** -0.5)
-            if s.shared_ffn:
-                add("ffn_gate_inp_shexp.weight", (H,), H ** -0.5)
-                add("ffn_gate_shexp.weight", (s.shared_ffn, H), H ** -0.5)
-                add("ffn_up_shexp.weight", (s.shared_ffn, H), H ** -0.5)
-                add("ffn_down_shexp.weight", (H, s.shared_ffn), s.shared_ffn ** -0.5)
-        else:
-            add("ffn_gate.weight", (s.ffn, H), H ** -0.5)
-            add("ffn_up.weight", (s.ffn, H), H ** -0.5)
-            add("ffn_down.weight", (H, s.ffn), s.ffn ** -0.5)
-    specs.append(("output_norm.weight", (H,), norm[1], norm[0]))
-    specs.append(("output.weight", (n_vocab, H), HEAD_GAIN * H ** -0.5, 0.0))
+        specs += [(f"blk.{i}.{t.name}", t.shape, *_std_mean(t, s)) for t in layer_tensors(spec, i, s.shared_ffn)]
+    specs.append(("output_norm.weight", (s.hidden,), 0.1, 1.0))
+    specs.append(("output.weight", (n_vocab, s.hidden), HEAD_GAIN * s.hidden ** -0.5, 0.0))
+    for i in range(s.layers, s.layers + s.mtp_layers):  # last: every other tensor is the file without them
+        specs += [(f"blk.{i}.{t.name}", t.shape, *_std_mean(t, s)) for t in layer_tensors(spec, i, s.shared_ffn)]
     return specs
 
 
@@ -114,14 +121,14 @@ def _model_metadata(s: Shape, quant: str, n_vocab: int) -> list[tuple[str, str, 
         (f"{a}.vocab_size", "u32", n_vocab),
         (f"{a}.context_length", "u32", s.context),
         (f"{a}.embedding_length", "u32", s.hidden),
-        (f"{a}.block_count", "u32", s.layers),
+        (f"{a}.block_count", "u32", s.layers + s.mtp_layers),
         (f"{a}.feed_forward_length", "u32", s.ffn),
         (f"{a}.attention.head_count", "u32", s.n_head),
         (f"{a}.attention.head_count_kv", "u32", s.n_head_kv),
         (f"{a}.attention.key_length", "u32", s.head_dim),
         (f"{a}.attention.value_length", "u32", s.head_dim),
         (f"{a}.attention.layer_norm_rms_epsilon", "f32", s.rms_eps),
-        (f"{a}.rope.dimension_count", "u32", s.head_dim),
+        (f"{a}.rope.dimension_count", "u32", s.rope_dim or s.head_dim),
         (f"{a}.rope.freq_base", "f32", s.rope_base),
     ]
     if s.n_expert:
@@ -130,6 +137,21 @@ def _model_metadata(s: Shape, quant: str, n_vocab: int) -> list[tuple[str, str, 
         meta.append((f"{a}.expert_feed_forward_length", "u32", s.expert_ffn))
     if s.shared_ffn:
         meta.append((f"{a}.expert_shared_feed_forward_length", "u32", s.shared_ffn))
+    if s.mtp_layers:  # the MTP blocks are full-attention blocks: say so per block
+        meta += [(f"{a}.nextn_predict_layers", "u32", s.mtp_layers),
+                 (f"{a}.attention.recurrent_layers", "[bool]",
+                  [bool(s.attn_interval) and (i + 1) % s.attn_interval != 0 for i in range(s.layers)]
+                  + [False] * s.mtp_layers)]
+    if s.attn_interval:
+        meta += [(f"{a}.full_attention_interval", "u32", s.attn_interval),
+                 (f"{a}.ssm.conv_kernel", "u32", s.dn_conv),
+                 (f"{a}.ssm.state_size", "u32", s.dn_head_dim),
+                 (f"{a}.ssm.group_count", "u32", s.dn_k_heads),
+                 (f"{a}.ssm.time_step_rank", "u32", s.dn_v_heads),
+                 (f"{a}.ssm.inner_size", "u32", s.dn_v_heads * s.dn_head_dim)]
+    if s.arch == "qwen35moe":  # multimodal rope sections; text positions make them plain neox rope
+        rd = (s.rope_dim or s.head_dim) // 2
+        meta.append((f"{a}.rope.dimension_sections", "[i32]", [rd - 2 * (rd // 3), rd // 3, rd // 3, 0]))
     if s.yarn_factor:
         meta += [(f"{a}.rope.scaling.type", "str", "yarn"),
                  (f"{a}.rope.scaling.factor", "f32", s.yarn_factor),
@@ -138,11 +160,15 @@ def _model_metadata(s: Shape, quant: str, n_vocab: int) -> list[tuple[str, str, 
 
 
 def plan_synthetic(preset: str, *, arch: str | None = None, layers: int | None = None,
-                   quant: str = "Q4_K_M", small_vocab: bool = False) -> SynthPlan:
+                   quant: str = "Q4_K_M", small_vocab: bool = False, mtp_layers: int = 0) -> SynthPlan:
     """Everything `write_synthetic` would write, without writing: metadata, tensor names, shapes and types."""
     if quant not in quantmix.MIXES:
         raise StrataError(f"unknown quant mix {quant!r}; choose one of {', '.join(quantmix.MIXES)}")
     s = resolve(preset, arch, layers, small_vocab)
+    if mtp_layers:
+        if not s.n_expert or mtp_layers < 0:
+            raise StrataError("MTP blocks are written for MoE shapes only, and their count must be >= 0")
+        s = replace(s, mtp_layers=mtp_layers)
     tok_meta, n_vocab = vocab.tokenizer_metadata(s.vocab)
     tensors = [TensorPlan(name, shape, quantmix.tensor_type(quant, name, shape, s.layers, s.n_expert), std, mean)
                for name, shape, std, mean in _tensor_specs(s, n_vocab)]
@@ -172,6 +198,8 @@ def _kv(key: str, kind: str, value: object) -> bytes:
         return out + struct.pack("<IIQ", _ARRAY, _STRING, len(items)) + b"".join(_gguf_str(x) for x in items)
     if kind == "[i32]":
         return out + struct.pack("<IIQ", _ARRAY, 5, len(items)) + np.asarray(items, "<i4").tobytes()
+    if kind == "[bool]":
+        return out + struct.pack("<IIQ", _ARRAY, 7, len(items)) + np.asarray(items, np.uint8).tobytes()
     raise ValueError(f"unsupported metadata kind {kind}")
 
 
@@ -191,7 +219,7 @@ def _header(plan: SynthPlan) -> bytes:
 def write_synthetic(path: str | os.PathLike, preset: str, *, arch: str | None = None, layers: int | None = None,
                     quant: str = "Q4_K_M", seed: int = 0,
                     progress: Callable[[int, int], None] | None = None, router_skew: float = 0.0,
-                    small_vocab: bool = False) -> dict:
+                    small_vocab: bool = False, mtp_layers: int = 0) -> dict:
     """Write a random but valid GGUF model to `path` and return a summary of it.
 
     The file is streamed tensor by tensor in chunks of CHUNK_BYTES (memory stays small for any model size),
@@ -202,8 +230,10 @@ def write_synthetic(path: str | os.PathLike, preset: str, *, arch: str | None = 
     skew.expert_ranks) are selected with frequency min(1, c (r+1)^-ALPHA) summing to the experts used per token
     (see strata_nb.synth.skew); the router is calibrated by a short pilot run of the written file. 0 writes
     exactly the file written without the option. `small_vocab` replaces a published preset's vocabulary with
-    the small trained one (see presets.resolve)."""
-    plan = plan_synthetic(preset, arch=arch, layers=layers, quant=quant, small_vocab=small_vocab)
+    the small trained one (see presets.resolve). `mtp_layers` appends that many MTP blocks (llama.cpp's nextn:
+    a full-attention MoE block and its nextn.* tensors) after every other tensor."""
+    plan = plan_synthetic(preset, arch=arch, layers=layers, quant=quant, small_vocab=small_vocab,
+                          mtp_layers=mtp_layers)
     router_skew = float(router_skew)
     skewmod.check_skew(router_skew, plan.shape.n_expert, plan.shape.n_expert_used)
     if router_skew > 0:
