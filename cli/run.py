@@ -246,7 +246,14 @@ def run_info(model: str, ctx: int) -> None:
                                       f"{', shared expert' if s.shared_expert else ''}"
                                       f"{', gated' if s.shared_expert_gate else ''}"
                                       f"{', renormalized' if s.expert_norm else ''})" if s.is_moe else " (dense)"))
-    e(f"layers          {s.n_layer}, embedding {s.n_embd}, vocab {s.n_vocab}, trained context {s.n_ctx_train}")
+    kinds = Counter({"deltanet": "delta-net"}.get(ls.mixer, ls.mixer.replace("_", " ")) for ls in s.layers)
+    e(f"layers          {s.n_layer} ({', '.join(f'{n} {k}' for k, n in kinds.items())}"
+      f"{f', {s.n_nextn} MTP not run' if s.n_nextn else ''}), embedding {s.n_embd}, vocab {s.n_vocab}, "
+      f"trained context {s.n_ctx_train}")
+    if s.deltanet is not None:
+        dn = s.deltanet
+        e(f"delta-net       {dn.n_k_head} key heads of {dn.head_k_dim}, {dn.n_v_head} value heads of {dn.head_v_dim} "
+          f"({'tiled' if dn.tiled else 'grouped'} over the key heads), conv {dn.conv_kernel}")
     e(f"attention       {s.n_head} heads, {s.n_head_kv} kv heads, head dim {s.head_dim}, qk-norm {s.qk_norm}, "
       f"qkv bias {'yes' if s.qkv_bias else 'no'}")
     r = s.rope
@@ -266,7 +273,8 @@ def run_info(model: str, ctx: int) -> None:
     if s.is_moe:
         per = m.expert_bytes / (s.n_expert * sum(s.moe_layers)) * s.n_expert_used * sum(s.moe_layers)
         e(f"per token       {_gb(m.dense_bytes)} dense + {_gb(per)} of experts read (top-{s.n_expert_used})")
-    e(f"memory for run  {_gb(m.total)} (weights mapped from the file + KV cache {_gb(m.kv_bytes)} at --ctx {ctx})")
+    state = "KV cache" + (" + recurrent states" if s.recurrent else "")
+    e(f"memory for run  {_gb(m.total)} (weights mapped from the file + {state} {_gb(m.kv_bytes)} at --ctx {ctx})")
 
 
 def run_pack(model: str, output: str | None, verify: bool) -> None:

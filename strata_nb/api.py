@@ -133,16 +133,20 @@ def plan_memory(g: GGUFFile, spec: ModelSpec, src, n_ctx: int, *, experts: str =
 GPU_PROMPT_TOKENS = 256  # tokens per prompt chunk on the GPU (activation buffers are sized for this)
 
 
-GPU_MIXERS = ("attention",)  # the layer kinds the hybrid engine has blocks for
+# The layer kinds the hybrid engine has GPU blocks for, and those of them that have passed their tests on a real GPU
+# (the simulator runs one-lane warps and cannot see every fault): auto picks the hybrid engine only for those.
+GPU_MIXERS = ("attention", "gated_attention", "deltanet")
+GPU_MIXERS_CHECKED = ("attention",)
 
 
 def pick_device(device: str, vram_budget: float | None = None, spec: ModelSpec | None = None) -> tuple[str, str]:
     """("cuda" or "cpu", a line saying which engine runs and why). auto: the hybrid engine when numba-cuda finds a
-    GPU and has blocks for every layer kind of the model (spec), else the CPU engine. A vram_budget is refused
-    when the CPU engine runs."""
+    GPU and the model's layer kinds (spec) have GPU blocks checked on a real GPU, else the CPU engine. A vram_budget
+    is refused when the CPU engine runs."""
     if device not in ("auto", "cuda", "cpu"):
         raise StrataError(f"unknown device {device!r} (auto, cuda or cpu)")
-    missing = sorted({ls.mixer for ls in spec.layers} - set(GPU_MIXERS)) if spec is not None else []
+    kinds = {ls.mixer for ls in spec.layers} if spec is not None else set()
+    missing, unchecked = sorted(kinds - set(GPU_MIXERS)), sorted(kinds - set(GPU_MIXERS_CHECKED))
     if device == "cpu":
         picked = "cpu", "device: CPU engine (--device cpu)"
     elif missing:
@@ -150,6 +154,9 @@ def pick_device(device: str, vram_budget: float | None = None, spec: ModelSpec |
         if device == "cuda":
             raise StrataError(f"--device cuda: {why}; run it with --device cpu")
         picked = "cpu", f"device: CPU engine ({why})"
+    elif unchecked and device == "auto":
+        picked = "cpu", (f"device: CPU engine (the hybrid engine's {', '.join(unchecked)} blocks have not passed "
+                         f"their tests on a real GPU yet; --device cuda runs them)")
     else:
         from strata_nb.runtime.cuda_rt import SIM, cuda_status
 
@@ -343,6 +350,14 @@ class Engine:
         only one session at a time holds; an older one continues only from a restored snapshot)."""
         return self.backend.new_session(self.n_ctx)
 
+    def forward(self, session: Session, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Run tokens at the session's position (ids checked against the vocabulary and the context left); the
+        logits of the last position f32[1, vocab], or of every one [T, vocab]. With snapshot()/restore() and
+        rewind() this is how a caller keeps conversations: only new tokens are computed."""
+        toks = self.check_tokens(tokens)
+        session.reserve(len(toks))
+        return self.backend.forward(session, np.asarray(toks, np.int64), all_logits=all_logits)
+
     def rewind(self, session: Session, pos: int) -> None:
         """Return a session to position pos of its own sequence: a KV cache drops its tail; a recurrent model
         goes back to its newest checkpoint at or before pos (Session.checkpoint) and runs the tokens from there
@@ -350,7 +365,7 @@ class Engine:
         tokens = list(session.tokens[:pos])
         at = session.truncate(pos)
         if at < pos:
-            self.backend.forward(session, np.asarray(tokens[at:], np.int64))
+            self.forward(session, tokens[at:])
 
     # -- running ------------------------------------------------------------------------------------------
     def logits(self, tokens: Sequence[int]) -> np.ndarray:

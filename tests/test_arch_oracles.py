@@ -4,8 +4,9 @@ Tolerances (relative L2 over all logits of a 16-token prompt; measured on these 
 - reference path (float32 activations) vs transformers: 1e-4 (~7e-7), top-1 identical;
 - with F32 weights, reference path vs llama.cpp: 1e-4 (~5e-7), top-1 identical;
 - fast path (int8 activations, like llama.cpp's own) vs either oracle, per position: median relative L2
-  6e-2 (1.4e-2..4.7e-2; llama.cpp itself is 1.5e-2..1.9e-2 from transformers), top-1 agreement >= 75%
-  (81%..100%). The median, because int8 rounding flips near-tied router choices at a few positions (llama.cpp's
+  3e-2 (1.5e-2..2.0e-2; llama.cpp itself is 1.5e-2..1.9e-2 from transformers; up to 4.7e-2 while the K-quant
+  min terms took the float sums of x instead of the quantized x's, cpu_kernels/actq.py), top-1 agreement >= 75%
+  (94%..100%). The median, because int8 rounding flips near-tied router choices at a few positions (llama.cpp's
   own whole-prompt error from transformers reaches 5.5e-2 that way), and random weights give small top-1 margins.
 """
 from __future__ import annotations
@@ -83,7 +84,7 @@ def test_fast_path_against_both_oracles(files, arch):
     toks = _prompt(path)
     ours = load(path, n_ctx=64, fast=True).logits(toks)
     for ref in (oracles.llama_cpp_logits(path, toks), oracles.transformers_logits(path, toks)):
-        assert _median_rel_per_position(ours, ref) < 6e-2
+        assert _median_rel_per_position(ours, ref) < 3e-2
         assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
 
 

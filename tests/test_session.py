@@ -86,12 +86,17 @@ def test_engine_rewind_replays_to_the_exact_position(path):
     toks = _tokens(16)
     whole = eng.logits(toks)
     s = eng.new_session()
-    eng.backend.forward(s, toks[:6])
+    eng.forward(s, toks[:6])
     s.checkpoint()
-    eng.backend.forward(s, toks[6:])
+    eng.forward(s, toks[6:])
     eng.rewind(s, 11)  # recurrent: back to the checkpoint at 6, then tokens 6..10 again
     assert s.pos == 11
-    np.testing.assert_array_equal(eng.backend.forward(s, toks[11:], all_logits=True), whole[11:])
+    np.testing.assert_array_equal(eng.forward(s, toks[11:], all_logits=True), whole[11:])
+    with pytest.raises(StrataError, match="out of range"):
+        eng.forward(s, [eng.spec.n_vocab])
+    with pytest.raises(StrataError, match="context full"):
+        eng.forward(s, [1] * (CTX - s.pos + 1))
+    assert s.pos == 16  # refused before anything ran
 
 
 def test_bad_snapshots_and_positions_are_refused(path, tmp_path):

@@ -87,6 +87,21 @@ def test_tiered_logits_identical_to_mapped(model, reference, fraction, recent):
     eng.close()
 
 
+def test_tiered_qwen3next_with_pack_identical_to_mapped(tmp_path):
+    """The tiers move bytes whatever the layer kinds: a qwen3next (delta-net layers, gated shared expert) with an
+    expert pack, a quarter of its experts resident, gives the mapped model's logits and generation."""
+    path = tmp_path / "next.gguf"
+    write_synthetic(path, "tiny", arch="qwen3next", quant="Q4_K_M", seed=3)
+    ref = load(path, n_ctx=96, experts="mmap", machine=MACHINE)
+    want, want_gen = ref.logits(PROMPT), ref.generate(PROMPT[:6], 12)
+    packfmt.write_pack(path)
+    eng = tiered(str(path), 0.25, 3)
+    np.testing.assert_array_equal(eng.logits(PROMPT), want)
+    assert eng.generate(PROMPT[:6], 12).tokens == want_gen.tokens
+    assert eng.store.io.served.get("ssd", 0) > 0
+    eng.close()
+
+
 def test_pack_extents_and_lookahead_accounting(packed):
     ref = load(packed, n_ctx=96, experts="mmap", machine=MACHINE)
     assert type(ref.store.src).__name__ == "PackExperts"

@@ -123,7 +123,10 @@ def expert_tensors(g: GGUFFile) -> dict[tuple[int, str], ExpertTensor]:
     MTP blocks' experts (blocks past block_count - nextn_predict_layers) are left out: nothing runs them yet.
     """
     found: dict[tuple[int, str], ExpertTensor] = {}
-    n_main = int(g.get(f"{g.arch}.block_count") or 0) - int(g.get(f"{g.arch}.nextn_predict_layers") or 0)
+    arch = g.get("general.architecture")  # unchecked here: a pack is matched to any header (check_pack)
+    n_main = 0
+    if isinstance(arch, str):
+        n_main = int(g.get(f"{arch}.block_count") or 0) - int(g.get(f"{arch}.nextn_predict_layers") or 0)
     for t in g.tensors.values():
         m = _TENSOR_RE.fullmatch(t.name)
         if m is None or (n_main > 0 and int(m.group(1)) >= n_main):

@@ -49,14 +49,13 @@ class DeltaNet:
 
     wqkv: Linear  # q, k, v of all heads: the conv's channels
     wz: Linear  # the output gate z
-    wb: Linear  # beta (sigmoid); for a fused ssm_ba, wb is that matrix and ba_rows says where beta and alpha are
-    wa: Linear | None  # alpha (the decay's input); None when fused
+    wb: Linear  # beta (sigmoid), one row per value head
+    wa: Linear  # alpha (the decay's input), one row per value head
     conv: np.ndarray  # float32[conv_dim, K]
     dt_bias: np.ndarray  # float32[Hv]
     a: np.ndarray  # float32[Hv]: -exp(A_log)
     norm: np.ndarray  # float32[dv]
     wo: Linear
-    ba_rows: tuple[np.ndarray, np.ndarray] | None = None  # fused ssm_ba: the rows of beta and of alpha
 
 
 @dataclass(frozen=True)
@@ -137,11 +136,14 @@ def _expect(g: GGUFFile, ref: TensorRef, shape: tuple[int, ...]) -> None:
         raise ModelFormatError(f"{g.path.name}: tensor {ref.name} has shape {list(ref.shape)}, expected {list(shape)}")
 
 
-def _ba_rows(dn) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of a fused ssm_ba: per key head, the betas of its Hv/Hk value heads, then their alphas."""
+def _split_ba(ba: Linear, dn) -> tuple[Linear, Linear]:
+    """A fused ssm_ba as beta and alpha matrices (copies of its rows, a few KB): per key head it holds the betas of
+    its Hv/Hk value heads, then their alphas."""
     r = dn.n_v_head // dn.n_k_head
     kh, j = np.divmod(np.arange(dn.n_v_head), r)
-    return (kh * 2 * r + j).astype(np.int64), (kh * 2 * r + r + j).astype(np.int64)
+    rows_b, rows_a = kh * 2 * r + j, kh * 2 * r + r + j
+    return (Linear(ba.name + "[beta]", ba.qtype, np.ascontiguousarray(ba.rows[rows_b])),
+            Linear(ba.name + "[alpha]", ba.qtype, np.ascontiguousarray(ba.rows[rows_a])))
 
 
 def _bind(g: GGUFFile, p: str, defs: list[TensorDef]) -> dict[str, object]:
@@ -176,13 +178,11 @@ def bind_weights(g: GGUFFile, spec: ModelSpec) -> ModelWeights:
         kind = spec.layers[i].mixer
         if kind == "deltanet":
             dn = spec.deltanet
-            fused = not dn.split_ba
-            mixer = DeltaNet(
-                wqkv=t["attn_qkv.weight"], wz=t["attn_gate.weight"],
-                wb=t["ssm_ba.weight"] if fused else t["ssm_beta.weight"],
-                wa=None if fused else t["ssm_alpha.weight"],
-                conv=t["ssm_conv1d.weight"], dt_bias=t["ssm_dt.bias"], a=t["ssm_a"], norm=t["ssm_norm.weight"],
-                wo=t["ssm_out.weight"], ba_rows=_ba_rows(dn) if fused else None)
+            wb, wa = (t["ssm_beta.weight"], t["ssm_alpha.weight"]) if dn.split_ba else _split_ba(t["ssm_ba.weight"],
+                                                                                             dn)
+            mixer = DeltaNet(wqkv=t["attn_qkv.weight"], wz=t["attn_gate.weight"], wb=wb, wa=wa,
+                             conv=t["ssm_conv1d.weight"], dt_bias=t["ssm_dt.bias"], a=t["ssm_a"],
+                             norm=t["ssm_norm.weight"], wo=t["ssm_out.weight"])
         else:
             mixer = Attention(wq=t["attn_q.weight"], wk=t["attn_k.weight"], wv=t["attn_v.weight"],
                               wo=t["attn_output.weight"], q_norm=t.get("attn_q_norm.weight"),

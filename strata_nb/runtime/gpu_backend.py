@@ -16,7 +16,6 @@ to a dedicated thread and back, 0.7-1.3 ms without (bench/results/gpu_pool_probe
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import threading
 import time
@@ -43,6 +42,7 @@ from strata_nb.model.weights import Linear, ModelWeights
 from strata_nb.runtime.cpu_backend import CPUBackend
 from strata_nb.runtime.cuda_rt import SIM, Graph, stream_wait, sync_event
 from strata_nb.runtime.doorbell import Mailbox
+from strata_nb.runtime.gpu_blocks import MIXERS
 from strata_nb.runtime.gpu_sampler import GPUSampler, checked_token
 from strata_nb.runtime.sampler import Sampler, SamplerConfig
 from strata_nb.runtime.session import Session, make_states, state_bytes
@@ -94,6 +94,11 @@ def scratch_bytes(spec: ModelSpec, ntok: int, n_ctx: int) -> int:
     f_sh = spec.n_ff_exp * 8 if spec.shared_expert else 0  # upper bound on a shared expert's width
     per_tok = (2 * spec.n_embd + 2 * spec.q_dim + 2 * spec.kv_dim + spec.n_expert + 2 * k + spec.n_vocab
                + k * spec.n_ff_exp + 3 * f_sh + spec.n_embd + 3 * spec.n_ff + 1) * 4
+    if any(ls.mixer == "gated_attention" for ls in spec.layers):
+        per_tok += 2 * spec.q_dim * 4
+    if spec.deltanet is not None:
+        dn = spec.deltanet
+        per_tok += (2 * dn.conv_dim + 2 * dn.v_dim + 4 * dn.n_v_head) * 4
     n_split = katt.choose_n_split(n_ctx, spec.n_head_kv)
     return ntok * per_tok + spec.n_head * n_split * (spec.head_dim + 2) * 4
 
@@ -205,6 +210,13 @@ class GPUBackend:
         self._owner: Session | None = None
         self.x, self.xn, self.sy = z(tm, s.n_embd), z(tm, s.n_embd), z(tm, s.n_embd)
         self.q, self.att = z(tm, s.q_dim), z(tm, s.q_dim)
+        self._mixers = [MIXERS[ls.mixer] for ls in s.layers]
+        if any(ls.mixer == "gated_attention" for ls in s.layers):
+            self.qg = z(tm, 2 * s.q_dim)  # the q projection's [q | gate] per head
+        if s.deltanet is not None:  # qkv, its conv output, z, beta and alpha inputs, g, beta, the rule's output
+            dn = s.deltanet
+            self.dn_bufs = (z(tm, dn.conv_dim), z(tm, dn.conv_dim), z(tm, dn.v_dim), z(tm, dn.n_v_head),
+                            z(tm, dn.n_v_head), z(tm, dn.n_v_head), z(tm, dn.n_v_head), z(tm, dn.v_dim))
         self.k, self.v = z(tm, s.kv_dim), z(tm, s.kv_dim)
         self.logits = z(tm, s.n_vocab)
         self.tok = cuda.to_device(np.zeros(tm, np.int32))
@@ -327,27 +339,6 @@ class GPUBackend:
             ops += self._linear(m, self.xn, out, T)
         return ops
 
-    def _attention(self, l: int, T: int) -> list[Op]:
-        s, L = self.spec, self.dev["layers"][l]
-        ops = self._normed(L["attn_norm"], [(L["wq"], self.q), (L["wk"], self.k), (L["wv"], self.v)], T)
-        r = s.rope
-        mode = {"none": kops.QK_NONE, "head": kops.QK_HEAD, "full": kops.QK_FULL}[s.qk_norm]
-        qn = L["q_norm"] if L["q_norm"] is not None else self.mult  # unused without QK-norm
-        kn = L["k_norm"] if L["k_norm"] is not None else self.mult
-        kc, vc = self.states[l].k, self.states[l].v
-        ops.append(lambda st: kops.qk_rope_kv(self.q, self.k, self.v, qn, kn, mode, float(s.rms_eps), self.mult,
-                                              self.mscale, r.style == "neox", r.n_rot, s.n_head, s.n_head_kv,
-                                              s.head_dim, kc, vc, self.pos, T, st))
-        scale = 1.0 / math.sqrt(s.head_dim)
-        if T == 1:
-            pm, pl, po = self.parts
-            ops.append(lambda st: katt.attention_decode(self.q, kc, vc, self.pos, scale, self.att, pm, pl, po,
-                                                        self.n_split, st))
-        else:
-            ops.append(lambda st: katt.attention_prompt(self.q, kc, vc, self.pos, scale, self.att, T, st))
-        ops += self._linear(L["wo"], self.att, self.x, T, accumulate=True)
-        return ops
-
     def _ffn(self, l: int, T: int) -> tuple[list[Op], list[Op], bool]:
         """(ops up to and including the layer's GPU work, ops after the CPU's part, whether the host must act)."""
         s, L = self.spec, self.dev["layers"][l]
@@ -435,7 +426,7 @@ class GPUBackend:
         cur: list[Op] = [self._prefetch_op(-1)] if T == 1 and self._prefetch else []
         cur.append(lambda st: kmm.embed(D["embd"].qtype, D["embd"].rows, tokens, self.x, T, st))
         for l in range(s.n_layer):
-            cur += self._attention(l, T)
+            cur += self._mixers[l](self, l, T)
             pre, post, hybrid = self._ffn(l, T)
             cur += pre
             if hybrid:
@@ -657,6 +648,8 @@ class GPUBackend:
 
     def _warm_up(self) -> None:
         self._drain()
+        # its forwards run at position 0 on the engine's own state: the recurrent part is kept for the session
+        kept = [(st, st.save(0)) for st in self.states if st.recurrent]
         sampler, pool = self.sampler, self.cpu
         self.sampler = self._gpu_sampler(SamplerConfig(seed=0))
         self.cpu = pool.scratch()
@@ -670,6 +663,8 @@ class GPUBackend:
             self.stream.synchronize()
         finally:
             self.sampler, self.cpu, self._warming = sampler, pool, False
+            for st, saved in kept:
+                st.load(saved, 0)
 
     # -- the Backend interface ----------------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -692,6 +687,12 @@ class GPUBackend:
         self._owner = Session(self.spec, n_ctx, self.states)
         return self._owner
 
+    def _start(self, session: Session) -> None:
+        """A sequence starts from zeroed recurrent states (after any forward launched ahead has finished)."""
+        if session.pos == 0 and self.spec.recurrent:
+            self._call(self._drain)
+            session.reset()
+
     def _hold(self, session: Session) -> bool:
         """The device state is the session's: it made it, restored a snapshot into it, or starts a sequence.
         Returns whether the state changed under the device's own sequence (another session, a restore)."""
@@ -710,6 +711,7 @@ class GPUBackend:
         tokens = np.asarray(tokens, np.int64)
         self._hold(session)
         session.reserve(len(tokens))
+        self._start(session)
         logits = self._call(self._forward, session.pos, tokens, "logits", all_logits)
         session.advance([int(t) for t in tokens])
         self.stats.dense_bytes += self._dense_per_token
@@ -723,6 +725,7 @@ class GPUBackend:
         tokens = np.asarray(tokens, np.int64)
         changed = self._hold(session)
         session.reserve(len(tokens))
+        self._start(session)
         # the device continues its own sequence (its last draw as input, at the position after it) only when the
         # caller continues it too; anything else (a prompt, another token, a restored state) starts afresh
         continues = (not changed and len(tokens) == 1 and sampler is self._bound_sampler

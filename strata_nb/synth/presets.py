@@ -117,6 +117,10 @@ TINY_MOE64 = Shape("qwen3moe", 256, 4, 8, 2, 64, 640, n_expert=64, n_expert_used
 # hidden 64 (32-element quant blocks only) keeps a simulated forward to seconds.
 MICRO = Shape("qwen3moe", 64, 2, 2, 1, 32, 128, n_expert=4, n_expert_used=2, expert_ffn=64, rope_base=1e6,
               context=512, name="micro-qwen3moe")
+# the same for the hybrid engine's delta-net and gated attention blocks: 3 delta-net layers and 1 gated attention
+MICRO_NEXT = Shape("qwen3next", 64, 4, 2, 1, 32, 128, n_expert=4, n_expert_used=2, expert_ffn=64, shared_ffn=64,
+                   rope_base=1e6, context=512, attn_interval=4, dn_k_heads=2, dn_v_heads=4, dn_head_dim=16,
+                   rope_dim=8, name="micro-qwen3next")
 
 PRESETS: tuple[str, ...] = ("tiny", "demo", *PUBLISHED, "tiny-moe64", "micro")
 # the attention-only architectures (transformers loads their GGUF files; it cannot load qwen3next/qwen35moe ones)
@@ -135,6 +139,8 @@ def resolve(preset: str, arch: str | None = None, layers: int | None = None, sma
         shape = TINY[key]
     elif preset == "demo":
         shape = DEMO
+    elif preset == "micro" and arch == "qwen3next":
+        shape = MICRO_NEXT
     elif preset in ("tiny-moe64", "micro"):
         shape = TINY_MOE64 if preset == "tiny-moe64" else MICRO
         if arch is not None and arch != shape.arch:

@@ -23,11 +23,7 @@ def deltanet(b: "CPUBackend", lw: LayerWeights, x: np.ndarray, state: RecurrentS
     hk, hv, dk, dv = dn.n_k_head, dn.n_v_head, dn.head_k_dim, dn.head_v_dim
     a = b.norm_act(x, lw.attn_norm, b.group(w.wqkv.qtype))
     qkv, z = b.linear(w.wqkv, a), b.linear(w.wz, a)
-    if w.wa is None:  # fused ssm_ba
-        ba = b.linear(w.wb, a)
-        beta_in, alpha_in = ba[:, w.ba_rows[0]], ba[:, w.ba_rows[1]]
-    else:
-        beta_in, alpha_in = b.linear(w.wb, a), b.linear(w.wa, a)
+    beta_in, alpha_in = b.linear(w.wb, a), b.linear(w.wa, a)
     mixed = np.empty_like(qkv)
     kdn.conv_silu(qkv, w.conv, state.conv, mixed)
     kd = dn.k_dim
@@ -35,7 +31,7 @@ def deltanet(b: "CPUBackend", lw: LayerWeights, x: np.ndarray, state: RecurrentS
     k = np.ascontiguousarray(mixed[:, kd:2 * kd]).reshape(t, hk, dk)
     v = np.ascontiguousarray(mixed[:, 2 * kd:]).reshape(t, hv, dv)
     g, beta = np.empty((t, hv), np.float32), np.empty((t, hv), np.float32)
-    kdn.gdn_gates(np.ascontiguousarray(alpha_in), np.ascontiguousarray(beta_in), w.a, w.dt_bias, g, beta)
+    kdn.gdn_gates(alpha_in, beta_in, w.a, w.dt_bias, g, beta)
     o = np.empty((t, hv, dv), np.float32)
     # token by token for prompts too: on the CPU the chunked form measured slower at every length (512 tokens of
     # Qwen3-Next's heads: 14.7 ms against 16.6 with chunks of 16; the loops are bound by loads and stores of the
