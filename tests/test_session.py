@@ -9,6 +9,8 @@ that made rows depend on their batch would be caught here).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -99,7 +101,7 @@ def test_engine_rewind_replays_to_the_exact_position(path):
     assert s.pos == 16  # refused before anything ran
 
 
-def test_bad_snapshots_and_positions_are_refused(path, tmp_path):
+def test_bad_snapshots_and_positions_are_refused(path):
     eng = Engine(path, device="cpu", n_ctx=CTX, fast=False)
     s = eng.new_session()
     eng.backend.forward(s, _tokens(30))
@@ -107,5 +109,12 @@ def test_bad_snapshots_and_positions_are_refused(path, tmp_path):
     small = Engine(path, device="cpu", n_ctx=16, fast=False).new_session()
     with pytest.raises(StrataError, match="does not fit"):
         small.restore(snap)
+    # a snapshot of another model with as many layers: its arrays are refused by shape, not broadcast
+    bad = dataclasses.replace(snap, states=(tuple(a[..., :-1] for a in snap.states[0]),) + snap.states[1:])
+    fresh = eng.new_session()
+    eng.backend.forward(fresh, _tokens(3))
+    with pytest.raises(StrataError, match="does not fit"):
+        fresh.restore(bad)
+    assert fresh.pos == 3 and fresh.tokens == [int(t) for t in _tokens(3)]  # refused before any copy
     with pytest.raises(StrataError, match="cannot truncate"):
         s.truncate(31)

@@ -22,10 +22,12 @@ def _host(a) -> np.ndarray:
 
 
 def _into(dst, src: np.ndarray) -> None:
+    """Copy a saved array into a state's array (host or device), in the state's element type (a snapshot of the
+    GPU engine's f16 KV cache restores into the CPU engine's f32 one and back)."""
     if isinstance(dst, np.ndarray):
         dst[...] = src
     else:
-        dst.copy_to_device(np.ascontiguousarray(src))
+        dst.copy_to_device(np.ascontiguousarray(src, dtype=dst.dtype))
 
 
 class KVState:
@@ -40,6 +42,10 @@ class KVState:
     def save(self, pos: int) -> tuple[np.ndarray, ...]:
         # per head: [h, :pos] is contiguous in either memory, and only the first pos entries mean anything
         return tuple(_host(c[h, :pos]) for c in (self.k, self.v) for h in range(c.shape[0]))
+
+    def shapes(self, pos: int) -> list[tuple[int, ...]]:
+        """The shapes save(pos) returns."""
+        return [(pos, self.k.shape[2])] * (2 * self.k.shape[0])
 
     def load(self, saved: tuple[np.ndarray, ...], pos: int) -> None:
         n = self.k.shape[0]
@@ -68,6 +74,9 @@ class RecurrentState:
 
     def save(self, pos: int) -> tuple[np.ndarray, ...]:
         return _host(self.conv), _host(self.ssm)
+
+    def shapes(self, pos: int) -> list[tuple[int, ...]]:
+        return [tuple(self.conv.shape), tuple(self.ssm.shape)]
 
     def load(self, saved: tuple[np.ndarray, ...], pos: int) -> None:
         _into(self.conv, saved[0])
@@ -185,6 +194,11 @@ class Session:
         if len(snap.states) != len(self.states) or snap.pos > self.n_ctx:
             raise StrataError(f"snapshot of {len(snap.states)} layers at position {snap.pos} does not fit this "
                               f"session ({len(self.states)} layers, context {self.n_ctx})")
+        for i, (s, saved) in enumerate(zip(self.states, snap.states)):  # all checked before anything is copied
+            got = [tuple(a.shape) for a in saved]
+            if got != s.shapes(snap.pos):
+                raise StrataError(f"snapshot does not fit this session: layer {i} holds arrays of {got}, this "
+                                  f"session's are {s.shapes(snap.pos)}")
         for s, saved in zip(self.states, snap.states):
             s.load(saved, snap.pos)
         self.pos = snap.pos
