@@ -60,6 +60,10 @@ def test_snapshot_is_a_copy(path):
     for a, b in zip((a for st in snap.states for a in st), saved):
         np.testing.assert_array_equal(a, b)
     assert snap.nbytes > 0
+    empty = eng.new_session().snapshot()  # position 0: nothing of the KV caches, zeroed recurrent states
+    s.restore(empty)
+    assert s.pos == 0 and s.tokens == []
+    np.testing.assert_array_equal(eng.backend.forward(s, _tokens(8), all_logits=True), eng.logits(_tokens(8)))
 
 
 def test_truncate(path):

@@ -40,8 +40,10 @@ class KVState:
         self.k, self.v = k, v
 
     def save(self, pos: int) -> tuple[np.ndarray, ...]:
-        # per head: [h, :pos] is contiguous in either memory, and only the first pos entries mean anything
-        return tuple(_host(c[h, :pos]) for c in (self.k, self.v) for h in range(c.shape[0]))
+        # per head: [h, :pos] is contiguous in either memory, and only the first pos entries mean anything (none at
+        # position 0: no zero-length device copy)
+        return tuple(_host(c[h, :pos]) if pos else np.zeros((0, c.shape[2]), c.dtype)
+                     for c in (self.k, self.v) for h in range(c.shape[0]))
 
     def shapes(self, pos: int) -> list[tuple[int, ...]]:
         """The shapes save(pos) returns."""
