@@ -122,6 +122,21 @@ def _key_head(h, nk, nv, tiled):
     return h % nk if tiled else h // (nv // nk)
 
 
+@njit(nogil=True, inline="always")
+def _read4(S, i, k, q, t, kh, rk, rq, acc):
+    """acc[0] += S[i:i+4]^T k_t^ and acc[2] += S[i:i+4]^T q_t^ (k, q of token t scaled by rk, rq), four rows a
+    pass: the one summation order of every token's reads (a token's output must not depend on its batch)."""
+    n0, n1, n2, n3 = k[t, kh, i] * rk, k[t, kh, i + 1] * rk, k[t, kh, i + 2] * rk, k[t, kh, i + 3] * rk
+    m0, m1, m2, m3 = q[t, kh, i] * rq, q[t, kh, i + 1] * rq, q[t, kh, i + 2] * rq, q[t, kh, i + 3] * rq
+    for j in range(S.shape[1]):
+        s0 = S[i, j]
+        s1 = S[i + 1, j]
+        s2 = S[i + 2, j]
+        s3 = S[i + 3, j]
+        acc[0, j] += s0 * n0 + s1 * n1 + s2 * n2 + s3 * n3
+        acc[2, j] += s0 * m0 + s1 * m1 + s2 * m2 + s3 * m3
+
+
 @njit(cache=True, nogil=True)
 def _gdr_head(q, k, v, g, beta, S, h, kh, eps, acc, out):
     """The recurrence of value head h over all T >= 1 tokens; S f32[dk, dv] its state; acc f32[3, dv] scratch.
@@ -139,15 +154,7 @@ def _gdr_head(q, k, v, g, beta, S, h, kh, eps, acc, out):
     # summed in the order of the fused pass below (rows by fours, then the rest), so that a token's output does
     # not depend on whether it starts a call or follows another token in it (a prompt in pieces, a rewind)
     for i in range(0, dk4, 4):
-        n0, n1, n2, n3 = k[0, kh, i] * rk, k[0, kh, i + 1] * rk, k[0, kh, i + 2] * rk, k[0, kh, i + 3] * rk
-        m0, m1, m2, m3 = q[0, kh, i] * rq, q[0, kh, i + 1] * rq, q[0, kh, i + 2] * rq, q[0, kh, i + 3] * rq
-        for j in range(dv):
-            s0 = S[i, j]
-            s1 = S[i + 1, j]
-            s2 = S[i + 2, j]
-            s3 = S[i + 3, j]
-            acc[0, j] += s0 * n0 + s1 * n1 + s2 * n2 + s3 * n3
-            acc[2, j] += s0 * m0 + s1 * m1 + s2 * m2 + s3 * m3
+        _read4(S, i, k, q, 0, kh, rk, rq, acc)
     for i in range(dk4, dk):
         ki = k[0, kh, i] * rk
         qi = q[0, kh, i] * rq
@@ -173,21 +180,7 @@ def _gdr_head(q, k, v, g, beta, S, h, kh, eps, acc, out):
                     km = k[t, kh, m] * rk
                     for j in range(dv):
                         S[m, j] = dec * S[m, j] + km * acc[1, j]
-                n0 = k[t + 1, kh, i] * rk1
-                n1 = k[t + 1, kh, i + 1] * rk1
-                n2 = k[t + 1, kh, i + 2] * rk1
-                n3 = k[t + 1, kh, i + 3] * rk1
-                m0 = q[t + 1, kh, i] * rq1
-                m1 = q[t + 1, kh, i + 1] * rq1
-                m2 = q[t + 1, kh, i + 2] * rq1
-                m3 = q[t + 1, kh, i + 3] * rq1
-                for j in range(dv):
-                    s0 = S[i, j]
-                    s1 = S[i + 1, j]
-                    s2 = S[i + 2, j]
-                    s3 = S[i + 3, j]
-                    acc[0, j] += s0 * n0 + s1 * n1 + s2 * n2 + s3 * n3
-                    acc[2, j] += s0 * m0 + s1 * m1 + s2 * m2 + s3 * m3
+                _read4(S, i, k, q, t + 1, kh, rk1, rq1, acc)
             for i in range(dk4, dk):
                 ki = k[t, kh, i] * rk
                 kn = k[t + 1, kh, i] * rk1

@@ -31,27 +31,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import config, cuda
+from numba import cuda
 
 from strata_nb.cuda_kernels.block import block_sum
+from strata_nb.cuda_kernels.ops import _launch_1d, _sim
 from strata_nb.errors import StrataError
 
 _RED = 128  # threads per block of gated_rmsnorm on a GPU (and its shared buffer; dv = 128 on Qwen3-Next)
-
-
-def _sim() -> bool:
-    return bool(config.ENABLE_CUDASIM)
-
-
-def _grid(n_items: int, threads: int, cap: int = 8192) -> int:
-    return max(1, min(cap, (n_items + threads - 1) // threads))
-
-
-def _launch_1d(n_items: int, threads: int = 256) -> tuple[int, int]:
-    """(blocks, threads) of an elementwise grid-stride kernel over n_items."""
-    if _sim():
-        return min(2, max(1, (n_items + 31) // 32)), 32
-    return _grid(n_items, threads), threads
 
 
 def _flat(a, name: str):
