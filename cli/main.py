@@ -194,7 +194,8 @@ def pack(model, output, verify):
 # ------------------------------------------------------------------------------------------------- synth
 @main.command()
 @click.option("--preset", default="tiny", show_default=True,
-              help="tiny, demo, qwen3-30b-a3b, qwen3-235b-a22b, olmoe-1b-7b, mixtral-8x7b, tiny-moe64")
+              help="tiny, micro, demo, tiny-moe64, qwen3-30b-a3b, qwen3-next-80b-a3b, qwen3-235b-a22b, "
+                   "olmoe-1b-7b, mixtral-8x7b")
 @click.option("--arch", default=None, help="Architecture for the tiny preset (qwen3moe, qwen2moe, llama, ...).")
 @click.option("--layers", type=int, default=None, help="Keep only the first N layers.")
 @click.option("--quant", default="Q4_K_M", show_default=True, help="Q4_K_M or one type: Q8_0, BF16, Q4_K, ...")

@@ -249,8 +249,9 @@ def test_vram_cache_slots_hold_their_experts_after_admission_and_swaps(model, re
 
 def test_device_warm_up_changes_no_state(model, reference):
     """The throwaway forwards that compile every kernel on a GPU (the simulator skips them in Engine.warm_up: it
-    compiles nothing) admit, swap and count nothing, leave the device sampler alone, and the run after them gives
-    the CPU engine's logits and tokens."""
+    compiles nothing) admit, swap and count nothing, leave the device sampler's state alone and capture the decode
+    graphs; the run after them (another sampler chain and seed) reuses those graphs and gives the CPU engine's
+    logits and tokens."""
     ref, toks = reference
     eng = Engine(model, device="cuda", n_ctx=CTX, fast=False, vram_budget=budget_for(model, 1), adapt_every=1)
     try:
@@ -260,17 +261,22 @@ def test_device_warm_up_changes_no_state(model, reference):
         def state():
             return (cache.host_table.copy(), cache.counts.copy(), cache._tokens, dataclasses.asdict(cache.stats),
                     prof.total().copy(), prof.run_tokens, dataclasses.asdict(be.stats), be.hybrid.tokens,
-                    be.sampler, be.sampler.step, be._decode)
+                    be.sampler, be.sampler.step, be.sampler.counts.copy_to_host(), be.sampler.ring.copy_to_host())
 
         before = state()
+        assert be._decode is None
         be._call(be._warm_up)
         after = state()
         for a, b in zip(before, after):
             assert (a == b).all() if isinstance(a, np.ndarray) else a == b
         assert be._dev_pos == 3  # it did run: 2 tokens, then 1
+        graphs = be._decode
+        assert graphs and all(seg.graph is not None for seg in graphs)
         res = eng.generate(PROMPT, 3, SamplerConfig(temperature=0.0), keep_logits=True)
         assert close(np.concatenate(res.logits), ref) < TOL
         assert res.tokens == toks
+        res = eng.generate(PROMPT, 3, SamplerConfig(temperature=0.7, top_k=5, seed=11))
+        assert be._decode is graphs  # the same captured program: no capture inside the generation
     finally:
         eng.close()
 

@@ -347,6 +347,33 @@ def test_gpu_sampler_ties_masks_and_zeros(fast_barriers) -> None:
             assert got == want, (case, step, c)
 
 
+def test_gpu_sampler_configured_in_place(fast_barriers) -> None:
+    """configure() loads another chain and seed into the same device arrays (what captured decode graphs read):
+    the draws are then the host sampler's of that configuration; a repetition window past the ring is refused."""
+    r = np.random.default_rng(33)
+    g = _gpu(SamplerConfig(temperature=1.0, seed=1), [])
+    arrays = (g.cfg, g.state, g.ring, g.counts, g.token)
+    for case in range(4):
+        c = SamplerConfig(temperature=float(r.choice([0.0, 0.7, 1.5])), top_k=int(r.choice([0, 5, 40])),
+                          top_p=float(r.choice([1.0, 0.9])), min_p=float(r.choice([0.0, 0.05])),
+                          repeat_penalty=float(r.choice([1.0, 1.3])), repeat_last_n=int(r.choice([0, 8])),
+                          seed=int(r.integers(0, 2**62)))
+        hist = [int(t) for t in r.integers(0, GV, 12)]
+        host = Sampler(c, GV)
+        g.configure(c)
+        g.set_history(hist)
+        for _ in range(2):
+            lg = (r.standard_normal(GV) * 2.0).astype(np.float32)
+            want, got = _both(host, g, lg, hist)
+            assert got == want, (case, c)
+            hist.append(want)
+        assert g.step == 2 and g.seed == c.seed
+    assert all(a is b for a, b in zip((g.cfg, g.state, g.ring, g.counts, g.token), arrays))
+    assert not g.fits(SamplerConfig(repeat_last_n=80))
+    with pytest.raises(StrataError, match="history_cap"):
+        g.configure(SamplerConfig(repeat_last_n=80))
+
+
 def test_gpu_greedy_and_invalid_logits(fast_barriers) -> None:
     lg = logits_for(GV, 3)
     lg[[7, 250]] = lg.max() + 1.0  # a tie for the max: the lower id

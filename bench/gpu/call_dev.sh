@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device call during development (carry [".gpu"]): the GPU test files, the matrix kernels' launch shapes
 # (VARIANTS="4x4,4x2,..." runs matvec_variants.py), per-kernel decode times on the 2-layer model, then
-# PROBES="0.5 0.5:GOMP_SPINCOUNT=30000000 1" runs pool_probe.py on the full uniform model once per entry (VRAM
+# PROBES="0.5 0.5:GOMP_SPINCOUNT=30000000 1" runs pool_probe.py on the full model (BENCH_MODEL: uniform, or next
+# for Qwen3-Next shapes) once per entry (VRAM
 # share, then the environment of that run), then hybrid_vs_llama.py on it with whatever time is left
 # (BENCH_ARGS=none: no benchmark; BENCH_IF_PASSED=1: none unless the tests passed); TRACE="1 0" runs
 # trace_decode.py at those shares before the probes (TRACE_ARGS passed on, e.g. --warmup-seed 1). PACK=1 packs the numba cache
@@ -15,10 +16,12 @@ left() { echo $((BUDGET - ($(date +%s) - GPU_T0))); }
 export LLAMA_BENCH=${LLAMA_ROOT:-/tmp/llama}/build/bin/llama-bench
 export BENCH_MIRROR_DIR=$OUT
 SMOKE=$(bash bench/gpu/synth.sh path smoke)
-UNI=$(bash bench/gpu/synth.sh path uniform)
+MODEL=${BENCH_MODEL:-uniform}  # the file of the trace, probes and benchmark (synth.sh's names: uniform, next)
+UNI=$(bash bench/gpu/synth.sh path "$MODEL")
 bash bench/gpu/build_llama.sh start
 if [ "${BENCH_ARGS:-}" = none ] && [ -z "${PROBES:-}${TRACE:-}" ]; then SYNTH_NICE=10 bash bench/gpu/synth.sh start smoke
-else SYNTH_NICE=10 bash bench/gpu/synth.sh start smoke uniform; fi
+elif [ "${PROFILE_S:-100}" = 0 ]; then SYNTH_NICE=10 bash bench/gpu/synth.sh start "$MODEL"
+else SYNTH_NICE=10 bash bench/gpu/synth.sh start smoke "$MODEL"; fi
 pack() { [ "${PACK:-0}" = 1 ] && bash bench/gpu/pack_cache.sh "$OUT"; }
 ts "pytest GPU files"
 timeout -s INT -k 20 ${PYTEST_S:-200} python3 -m pytest -q -p no:cacheprovider -rfE ${TESTS:-tests/test_cuda_ops.py tests/test_cuda_matmul.py tests/test_hybrid.py} >"$OUT/pytest.log" 2>&1
@@ -34,11 +37,11 @@ if [ "${PROFILE_S:-100}" != 0 ]; then
     timeout -k 10 ${PROFILE_S:-100} python3 bench/gpu/profile_decode.py -m "$SMOKE" 2>&1 | grep -v -i warn | tee "$OUT/profile.log"
 fi
 if [ -n "${PROBES:-}${TRACE:-}" ] || [ "${BENCH_ARGS:-}" != none ]; then
-    bash bench/gpu/synth.sh wait 180 uniform
+    bash bench/gpu/synth.sh wait ${SYNTH_WAIT_S:-180} "$MODEL"
     grep -h 'rc .* after' /tmp/models/*.log | tr '\r' '\n' | tail -3
 fi
 for sh in ${TRACE:-}; do  # TRACE="1 0": trace_decode.py at those VRAM shares (TRACE_ARGS: e.g. --warmup-seed 1)
-    bash bench/gpu/synth.sh wait 180 uniform
+    bash bench/gpu/synth.sh wait ${SYNTH_WAIT_S:-180} "$MODEL"
     ts "trace_decode share $sh ${TRACE_ARGS:-}"
     timeout -k 10 ${TRACE_S:-150} python3 bench/gpu/trace_decode.py -m "$UNI" --share "$sh" ${TRACE_ARGS:-} 2>&1 | grep -v -i warn | tee -a "$OUT/trace.log"
 done

@@ -9,6 +9,8 @@
 #        skewed   $STRATA_MODELS/q30-Q4_K_M-skew1.2.gguf  the same with --router-skew 1.2 (calibrated by a pilot
 #                                                         forward: compiles the CPU kernels on a cold numba cache)
 #        smoke    $STRATA_MODELS/q30-L2-Q4_K_M.gguf       the first 2 layers only (1.2 GB): smoke tests
+#        next     $STRATA_MODELS/qnext-Q4_K_M.gguf        synthetic qwen3next, full Qwen3-Next-80B-A3B shapes, Q4_K_M
+#                                                         (48.5 GB: the disk holds it or uniform+skewed, not both)
 # STRATA_MODELS defaults to /tmp/models. A file that exists is complete (synth writes NAME.partial, then
 # renames), so it is not written again on a warm machine. Each model logs to $STRATA_MODELS/NAME.log.
 set -uo pipefail
@@ -22,15 +24,17 @@ path_of() {
     uniform) echo "$DIR/q30-Q4_K_M.gguf" ;;
     skewed) echo "$DIR/q30-Q4_K_M-skew1.2.gguf" ;;
     smoke) echo "$DIR/q30-L2-Q4_K_M.gguf" ;;
-    *) echo "synth.sh: unknown model '$1' (uniform, skewed, smoke)" >&2; return 1 ;;
+    next) echo "$DIR/qnext-Q4_K_M.gguf" ;;
+    *) echo "synth.sh: unknown model '$1' (uniform, skewed, smoke, next)" >&2; return 1 ;;
     esac
 }
 
 args_of() {
     case "$1" in
-    uniform) echo "" ;;
-    skewed) echo "--router-skew 1.2" ;;
-    smoke) echo "--layers 2" ;;
+    uniform) echo "--preset qwen3-30b-a3b" ;;
+    skewed) echo "--preset qwen3-30b-a3b --router-skew 1.2" ;;
+    smoke) echo "--preset qwen3-30b-a3b --layers 2" ;;
+    next) echo "--preset qwen3-next-80b-a3b" ;;
     esac
 }
 
@@ -45,7 +49,7 @@ write_one() {  # MODEL: the foreground writer of one model, timed
     t0=$(date +%s%N)
     ts "synth $m: writing $out"
     # shellcheck disable=SC2046
-    strata-nb synth --preset qwen3-30b-a3b --quant Q4_K_M --seed 0 $(args_of "$m") -o "$out"
+    strata-nb synth --quant Q4_K_M --seed 0 $(args_of "$m") -o "$out"
     rc=$?
     t0=$((($(date +%s%N) - t0) / 100000000))
     ts "synth $m: rc $rc after $((t0 / 10)).$((t0 % 10)) s"

@@ -625,13 +625,17 @@ class GPUBackend:
         return GPUSampler(config, self.spec.n_vocab, cap)
 
     def _bind_sampler(self, sampler: Sampler, history: Sequence[int]) -> None:
-        """The device sampler takes over the host sampler's chain and seed (a new configuration is a new device
-        sampler: the decode graphs that read the old one's token are captured again)."""
+        """The device sampler takes over the host sampler's chain and seed, in its own device arrays, so the
+        captured decode graphs stay valid (only a repetition window past its ring makes a new device sampler,
+        and the graphs are captured again)."""
         self._drain()
         cfg = dataclasses.replace(sampler.config, seed=sampler.seed)
         if cfg != self.sampler.config:
-            self.sampler = self._gpu_sampler(cfg)
-            self._drop_graphs()
+            if self.sampler.fits(cfg):
+                self.sampler.configure(cfg, stream=self.stream)
+            else:
+                self.sampler = self._gpu_sampler(cfg)
+                self._drop_graphs()
         self.sampler.set_history(history, stream=self.stream)
         st = self.sampler.state.copy_to_host(stream=self.stream)
         st[ks.ST_STEP] = sampler.step  # continue the host sampler's draws: uniform(seed, step)
@@ -650,8 +654,11 @@ class GPUBackend:
         self._drain()
         # its forwards run at position 0 on the engine's own state: the recurrent part is kept for the session
         kept = [(st, st.save(0)) for st in self.states if st.recurrent]
-        sampler, pool = self.sampler, self.cpu
-        self.sampler = self._gpu_sampler(SamplerConfig(seed=0))
+        pool, smp = self.cpu, self.sampler
+        # the device sampler's state as it was (the throwaway tokens are sampled with it: the decode graphs
+        # captured below must read its arrays)
+        saved = [a.copy_to_host(stream=self.stream) for a in (smp.state, smp.ring, smp.counts, smp.token)]
+        host_token = int(smp.token_host[0])
         self.cpu = pool.scratch()
         self._warming = True
         try:
@@ -659,21 +666,28 @@ class GPUBackend:
             if self.ntok_max >= 2:  # the prompt kernels, the head over every row (dumped logits) and the sampler
                 self.tok[:2].copy_to_device(np.zeros(2, np.int32), stream=self.stream)
                 self._execute(self._program(2, self.tok, "sample", all_logits=True), 2, None)
-            self._execute(self._program(1, self.sampler.token, "sample"), 1, None)  # the decode kernels
+            self._execute(self._decode_segments("sample"), 1, None)  # the decode kernels, launched directly
             self.stream.synchronize()
+            # captured here, where no clock runs, rather than inside a generation's first decode tokens
+            self._decode_segments("sample")
         finally:
-            self.sampler, self.cpu, self._warming = sampler, pool, False
-            for st, saved in kept:
-                st.load(saved, 0)
+            self.cpu, self._warming = pool, False
+            for st, state in kept:
+                st.load(state, 0)
+            for a, h in zip((smp.state, smp.ring, smp.counts, smp.token), saved):
+                a.copy_to_device(h, stream=self.stream)
+            smp.token_host[0] = host_token
+            self.stream.synchronize()
 
     # -- the Backend interface ----------------------------------------------------------------------------
     def warm_up(self) -> None:
         """Compile every kernel of the prompt, decode and sampler programs and of the CPU expert pool before
-        anything is timed: a throwaway forward of 2 tokens and one of 1, with their own sampler and a scratch
-        pool that computes every choice of the hybrid layers and counts nothing. The KV positions it writes are
-        written again by the next prompt before anything reads them; the slot table, profile, stats and decode
-        graphs stay as they were. The simulator interprets its kernels (nothing to compile, and a forward costs
-        seconds there): only the CPU pool's kernels are compiled, by the CPU engine's warm-up."""
+        anything is timed: a throwaway forward of 2 tokens and one of 1 (a scratch pool that computes every
+        choice of the hybrid layers and counts nothing; the device sampler's state put back after), then the
+        decode program's capture into CUDA graphs, so that no generation captures inside its decode clock. The
+        KV positions it writes are written again by the next prompt before anything reads them; the slot table,
+        profile and stats stay as they were. The simulator interprets its kernels (nothing to compile, and a
+        forward costs seconds there): only the CPU pool's kernels are compiled, by the CPU engine's warm-up."""
         if SIM:
             self.cpu.warm_up()
         else:

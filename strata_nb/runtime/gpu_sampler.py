@@ -33,10 +33,32 @@ class GPUSampler:
             raise StrataError(f"GPU sampler history_cap {history_cap} must exceed repeat_last_n {last_n} (and be >= 1)")
         if cand_cap < 2 or cand_cap > ks.MAX_THREADS or cand_cap & (cand_cap - 1):
             raise StrataError(f"GPU sampler cand_cap must be a power of two in [2, {ks.MAX_THREADS}], got {cand_cap}")
-        self.config = config
         self.vocab = int(vocab)
         self.history_cap = int(history_cap)
         self.cand_cap = int(cand_cap)
+        self.cfg = cuda.to_device(np.zeros(ks.CFG_SIZE, np.float64))
+        self.state = cuda.to_device(np.zeros(ks.ST_SIZE, np.int64))
+        self.configure(config)
+        self.ring = cuda.to_device(np.zeros(self.history_cap, np.int32))
+        self.counts = cuda.to_device(np.zeros(self.vocab, np.int32))
+        self.token = cuda.to_device(np.zeros(1, np.int32))  # read by the next token's embedding
+        self.token_host = cuda.mapped_array(1, np.int32)  # read by the host after the stream synchronizes
+        self.token_host[0] = 0
+        self._kernel = None
+
+    def fits(self, config: SamplerConfig) -> bool:
+        """Whether configure() can take config: its repetition window fits the ring."""
+        last_n = int(config.repeat_last_n)
+        return last_n <= 0 or self.history_cap > last_n
+
+    def configure(self, config: SamplerConfig, stream=0) -> None:
+        """Another chain and seed in the same device arrays (graphs that captured launches of this sampler stay
+        valid): writes the config, the seed and step 0; the history is set_history's. config must fit()."""
+        config.validate()
+        if not self.fits(config):
+            raise StrataError(f"GPU sampler history_cap {self.history_cap} must exceed repeat_last_n "
+                              f"{config.repeat_last_n}")
+        self.config = config
         # the seed actually used (as the host Sampler: reported so a run can be repeated)
         self.seed = int(config.seed) if config.seed is not None else int.from_bytes(os.urandom(8), "little")
         cfg = np.zeros(ks.CFG_SIZE, np.float64)
@@ -47,18 +69,12 @@ class GPUSampler:
         # the host's threshold is float32(max + log(min_p)); log on the host keeps it bit-identical
         cfg[ks.CFG_LOGMINP] = math.log(config.min_p) if 0.0 < config.min_p < 1.0 else 0.0
         cfg[ks.CFG_PEN] = np.float32(config.repeat_penalty)
-        cfg[ks.CFG_LASTN] = last_n
-        self.cfg = cuda.to_device(cfg)
+        cfg[ks.CFG_LASTN] = int(config.repeat_last_n)
         st = np.zeros(ks.ST_SIZE, np.int64)
         st[ks.ST_SEED_LO] = self.seed & 0xFFFFFFFF
         st[ks.ST_SEED_HI] = self.seed >> 32
-        self.state = cuda.to_device(st)
-        self.ring = cuda.to_device(np.zeros(self.history_cap, np.int32))
-        self.counts = cuda.to_device(np.zeros(self.vocab, np.int32))
-        self.token = cuda.to_device(np.zeros(1, np.int32))  # read by the next token's embedding
-        self.token_host = cuda.mapped_array(1, np.int32)  # read by the host after the stream synchronizes
-        self.token_host[0] = 0
-        self._kernel = None
+        self.cfg.copy_to_device(cfg, stream=stream)
+        self.state.copy_to_device(st, stream=stream)
 
     def set_history(self, tokens: Sequence[int], stream=0) -> None:
         """The sequence so far (prompt and any generated tokens), oldest first: fills the ring and the penalty
