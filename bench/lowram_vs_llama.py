@@ -163,7 +163,9 @@ def run_arm(args, arm: str, prompt_seed: int, profile: str | None = None, save_p
     dropped = drop_caches()
     cmd = [sys.executable, __file__, "--child", arm, "-m", args.model, "--threads", str(args.threads),
            "--n-prompt", str(args.n_prompt), "--n-gen", str(args.n_gen), "--prompt-seed", str(prompt_seed),
-           "--vocab", str(args.vocab), "--temp", str(args.temp), "--lookahead", str(args.lookahead)]
+           "--vocab", str(args.vocab), "--temp", str(args.temp)]
+    if args.lookahead is not None:
+        cmd += ["--lookahead", str(args.lookahead)]
     if profile:
         cmd += ["--profile", profile]
     if save_profile:
@@ -246,8 +248,8 @@ def main() -> None:
                     help="run every arm inside a memory cgroup of this many GB (a smaller machine)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--vocab", type=int, default=0)
-    ap.add_argument("--lookahead", type=int, default=10, help="strata-nb --lookahead (experts per token; 10 is "
-                                                                  "its default for top-8 models)")
+    ap.add_argument("--lookahead", type=int, default=None, help="strata-nb --lookahead (experts per token; "
+                                                                    "default: the engine's, the router's top-k + 2)")
     ap.add_argument("--temp", type=float, default=0.8,
                     help="sampling temperature, the same seeded sampler for every engine (0: greedy)")
     # child mode

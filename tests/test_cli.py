@@ -125,10 +125,9 @@ def test_device_reasons(monkeypatch):
     assert pick_device("cpu", None) == ("cpu", "device: CPU engine (--device cpu)")
 
 
-def test_layer_kinds_unchecked_on_a_gpu_run_on_the_cpu_engine(tmp_path, monkeypatch):
-    """A model whose layer kinds have GPU blocks that have not yet passed their tests on a real GPU (qwen3next's
-    delta-net and gated attention): auto picks the CPU engine and says why; --device cuda runs them; a kind with
-    no GPU block at all is refused by --device cuda."""
+def test_device_choice_by_layer_kinds(tmp_path, monkeypatch):
+    """qwen3next's delta-net and gated attention layers have GPU blocks: auto and --device cuda pick the hybrid
+    engine where there is a GPU; a kind with no GPU block is refused by --device cuda (auto: the CPU engine)."""
     from strata_nb import api
     from strata_nb.runtime import cuda_rt
     from strata_nb.synth import write_synthetic
@@ -138,9 +137,7 @@ def test_layer_kinds_unchecked_on_a_gpu_run_on_the_cpu_engine(tmp_path, monkeypa
     _, spec = api.open_model(path)
     monkeypatch.setattr(cuda_rt, "SIM", False)
     monkeypatch.setattr(cuda_rt, "cuda_status", lambda: (True, "a GPU (test)"))
-    assert api.pick_device("auto", spec=spec) == (
-        "cpu", "device: CPU engine (the hybrid engine's deltanet, gated_attention blocks have not passed their tests "
-               "on a real GPU yet; --device cuda runs them)")
+    assert api.pick_device("auto", spec=spec) == ("cuda", "device: hybrid GPU engine on a GPU (test)")
     assert api.pick_device("cuda", spec=spec) == ("cuda", "device: hybrid GPU engine on a GPU (test)")
     monkeypatch.setattr(api, "GPU_MIXERS", ("attention",))
     with pytest.raises(StrataError, match="no GPU block for deltanet, gated_attention layers yet .* --device cpu"):

@@ -116,12 +116,21 @@ def test_hybrid_architectures_q4_k_m_match_cpu(tmp_path, arch):
             eng.close()
 
 
-def test_fast_cpu_pool_is_the_cpu_engines_int8_path(model, monkeypatch):
+def test_fast_cpu_pool_is_the_cpu_engines_int8_path(model, monkeypatch, tmp_path):
     """With the int8 kernels (fast=True), every layer's CPU pool result is exactly what a separate CPU engine's
     routed-expert FFN computes with int8 activations from the published inputs (the choices held in VRAM left
     out), and within int8 error of the float32 path."""
+    from strata_nb.api import open_model
+    from strata_nb.experts.profile import RoutingProfile
     from strata_nb.runtime import gpu_backend
     from strata_nb.runtime.cpu_backend import Activation, CPUBackend
+
+    # Experts 0 and 1 of every layer fill the 2 slots at load, so the prompt's choices are hits and misses
+    # mixed whatever the copy thread's timing (slots filled on first use would depend on it).
+    prof = RoutingProfile.for_spec(open_model(model)[1])
+    prof.counts[:, :2] = 1.0
+    prof.tokens = 1
+    prof.save(tmp_path / "hot01.npz")
 
     seen = []
     orig = gpu_backend.GPUBackend._cpu_pool
@@ -134,19 +143,20 @@ def test_fast_cpu_pool_is_the_cpu_engines_int8_path(model, monkeypatch):
         return dt
 
     monkeypatch.setattr(gpu_backend.GPUBackend, "_cpu_pool", pool)
-    eng = Engine(model, device="cuda", n_ctx=CTX, fast=True, vram_budget=budget_for(model, 2))
+    eng = Engine(model, device="cuda", n_ctx=CTX, fast=True, vram_budget=budget_for(model, 2),
+                 expert_profile=tmp_path / "hot01.npz")
     try:
         eng.warm_up()  # on a GPU its throwaway forwards pass through the pool too (computing every choice)
         seen.clear()
-        # the prompt's misses are admitted into the free slots by copies that finish asynchronously: later
-        # tokens find them there (how many depends on the copy thread's timing)
         eng.generate(PROMPT, 4, SamplerConfig(temperature=0.0))
         fast = CPUBackend(eng.spec, eng.weights, eng.store, fast=True)
         slow = CPUBackend(eng.spec, eng.weights, eng.store, fast=False)
     finally:
         eng.close()
     assert len(seen) == 4 * 2  # 4 forwards (prompt, 3 decode steps) x 2 MoE layers
-    assert any((slot < 0).any() and (slot >= 0).any() for _, _, _, _, slot, _ in seen)  # hits and misses mixed
+    for _, _, ids, _, slot, _ in seen[:2]:  # the prompt's pool calls: slots from the profile's fill
+        assert ((slot >= 0) == (ids < 2)).all()
+        assert (slot < 0).any() and (slot >= 0).any()  # hits and misses mixed
     for layer, x, ids, wts, slot, y in seen:
         miss = np.where(slot >= 0, -1, ids).astype(np.int32)
         want = np.full_like(y, np.nan)
