@@ -1,5 +1,6 @@
-"""The forward pass on the CPU: a loop over the layers, each a token mixer by its kind (cpu_blocks/: attention,
-gated delta-net) and an FFN (dense, or MoE: the routed experts here, shared with the hybrid engine's CPU pool).
+"""The forward pass on the CPU: a loop over the layers, each a token mixer and an FFN by their kinds (cpu_blocks/:
+attention, gated delta-net; dense, MoE). The routed-expert driver is here: the MoE block and the hybrid engine's
+CPU pool share it.
 
 Prompts run as batches (matrix-matrix over all prompt tokens), decode as the one-token case of the same code.
 Weights stay in their GGUF quant layout in the memory map; experts come from an ExpertStore (experts.store):
@@ -12,12 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from strata_nb.cpu_kernels import actq, ops, qtypes
+from strata_nb.cpu_kernels import actq, ops
 from strata_nb.cpu_kernels.matmul import _is_float, dequant_rows, matmul_f32, matmul_q8, moe_ffn_for
 from strata_nb.experts.store import ExpertStore, MappedStore
 from strata_nb.model.spec import ModelSpec
 from strata_nb.model.weights import LayerWeights, Linear, ModelWeights
-from strata_nb.runtime.cpu_blocks import MIXERS
+from strata_nb.runtime.cpu_blocks import FFNS, MIXERS
 from strata_nb.runtime.cpu_blocks.common import Activation, Positions
 from strata_nb.runtime.session import Session, host_states
 
@@ -41,8 +42,9 @@ class CPUBackend:
         r = spec.rope
         self._corr = r.corr_dims() if r.ext_factor else (0.0, 0.0)
         moe = [i for i, lw in enumerate(weights.layers) if lw.router is not None]
-        self._next_moe = dict(zip(moe, moe[1:]))
+        self.next_moe = dict(zip(moe, moe[1:]))  # for the MoE block's lookahead
         self._mixers = [MIXERS[ls.mixer] for ls in spec.layers]
+        self._ffns = [FFNS[ls.ffn] for ls in spec.layers]
         # Per MoE layer: the routed-expert kernel specialized for its quant types, and its matrix geometry.
         self._moe: dict[int, tuple] = {}
         self._skip_routed = False  # warm_up(routed=False)
@@ -122,20 +124,7 @@ class CPUBackend:
         ops.swiglu_quant(g, u, a.x, *q)
         return a
 
-    def ffn(self, gate: Linear, up: Linear, down: Linear, a: Activation) -> np.ndarray:
-        return self.linear(down, self.swiglu(self.linear(gate, a), self.linear(up, a), down))
-
-    # -- the FFN of MoE layers ----------------------------------------------------------------------------
-    def route(self, lw: LayerWeights, a: Activation) -> tuple[np.ndarray, np.ndarray]:
-        """The router's top-k experts ids i32[T, k] and their weights f32[T, k]."""
-        s = self.spec
-        logits = np.empty((a.x.shape[0], s.n_expert), np.float32)
-        matmul_f32(lw.router.qtype, lw.router.rows, a.x, logits)  # routing decides: keep it in float32
-        ids = np.empty((a.x.shape[0], s.n_expert_used), np.int32)
-        wts = np.empty((a.x.shape[0], s.n_expert_used), np.float32)
-        ops.route_softmax_topk(logits, s.n_expert_used, s.expert_norm, np.float32(s.expert_weights_scale), ids, wts)
-        return ids, wts
-
+    # -- the routed experts of MoE layers (the CPU engine's MoE block and the hybrid engine's CPU pool) ----
     def routed_experts(self, layer: int, a: Activation, ids: np.ndarray, wts: np.ndarray, out: np.ndarray) -> None:
         """out[t] = sum over j of wts[t, j] * expert_{ids[t, j]}(a[t]): the CPU engine's MoE. Choices with a
         negative id are skipped; the routing is counted in the store. ids i32[T, k]; wts f32[T, k]; out
@@ -224,34 +213,6 @@ class CPUBackend:
             self._scratch[(ff, hidden, group)] = buf
         return buf
 
-    def moe(self, lw: LayerWeights, layer: int, a: Activation) -> np.ndarray:
-        ids, wts = self.route(lw, a)
-        out = np.empty((a.x.shape[0], self.spec.n_embd), np.float32)
-        self.routed_experts(layer, a, ids, wts, out)
-        f = lw.ffn
-        if f.shexp_gate is not None:
-            sh = self.ffn(f.shexp_gate, f.shexp_up, f.shexp_down, a)
-            if f.shexp_gate_inp is not None:  # a row kernel, not BLAS: a token's gate must not depend on its batch
-                gate = np.empty((a.x.shape[0], 1), np.float32)
-                matmul_f32(qtypes.F32, f.shexp_gate_inp.view(np.uint8).reshape(1, -1), a.x, gate)
-                sh *= 1.0 / (1.0 + np.exp(-gate))
-            out += sh
-        return out
-
-    def lookahead(self, layer: int, a: Activation) -> None:
-        """Predict the next MoE layer's experts with its router on this layer's MoE input (the residual stream
-        changes little in one layer) and ask the store to read the missing ones while this layer computes."""
-        k = self.experts.lookahead_k if self.experts is not None else 0
-        nxt = self._next_moe.get(layer)
-        if k <= 0 or nxt is None:
-            return
-        r = self.w.layers[nxt].router
-        logits = np.empty((a.x.shape[0], self.spec.n_expert), np.float32)
-        matmul_f32(r.qtype, r.rows, a.x, logits)
-        k = min(k, self.spec.n_expert)
-        top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
-        self.experts.prefetch(nxt, np.unique(top))
-
     # -- the whole model ----------------------------------------------------------------------------------
     def scratch(self) -> "CPUBackend":
         """A backend on the same weights whose experts are read in place and counted nowhere: for throwaway
@@ -314,12 +275,7 @@ class CPUBackend:
         at = Positions(session.pos, cos, sin)
         for i, lw in enumerate(self.w.layers):
             x += self._mixers[i](self, lw, x, session.states[i], at)
-            a = self.norm_act(x, lw.ffn_norm, self._ffn_group[i])
-            if lw.router is not None:
-                self.lookahead(i, a)
-                x += self.moe(lw, i, a)
-            else:
-                x += self.ffn(lw.ffn.ffn_gate, lw.ffn.ffn_up, lw.ffn.ffn_down, a)
+            x += self._ffns[i](self, lw, i, self.norm_act(x, lw.ffn_norm, self._ffn_group[i]))
         if not all_logits:
             x = x[-1:]
         logits = self.linear(self.w.output, self.norm_act(x, self.w.output_norm, self.group(self.w.output.qtype)))

@@ -42,7 +42,7 @@ from strata_nb.model.weights import Linear, ModelWeights
 from strata_nb.runtime.cpu_backend import CPUBackend
 from strata_nb.runtime.cuda_rt import SIM, Graph, stream_wait, sync_event
 from strata_nb.runtime.doorbell import Mailbox
-from strata_nb.runtime.gpu_blocks import MIXERS
+from strata_nb.runtime.gpu_blocks import FFNS, MIXERS
 from strata_nb.runtime.gpu_sampler import GPUSampler, checked_token
 from strata_nb.runtime.sampler import Sampler, SamplerConfig
 from strata_nb.runtime.session import Session, make_states, state_bytes
@@ -211,6 +211,7 @@ class GPUBackend:
         self.x, self.xn, self.sy = z(tm, s.n_embd), z(tm, s.n_embd), z(tm, s.n_embd)
         self.q, self.att = z(tm, s.q_dim), z(tm, s.q_dim)
         self._mixers = [MIXERS[ls.mixer] for ls in s.layers]
+        self._ffns = [FFNS[ls.ffn] for ls in s.layers]
         if any(ls.mixer == "gated_attention" for ls in s.layers):
             self.qg = z(tm, 2 * s.q_dim)  # the q projection's [q | gate] per head
         if s.deltanet is not None:  # qkv, its conv output, z, beta and alpha inputs, g, beta, the rule's output
@@ -339,49 +340,6 @@ class GPUBackend:
             ops += self._linear(m, self.xn, out, T)
         return ops
 
-    def _ffn(self, l: int, T: int) -> tuple[list[Op], list[Op], bool]:
-        """(ops up to and including the layer's GPU work, ops after the CPU's part, whether the host must act)."""
-        s, L = self.spec, self.dev["layers"][l]
-        pf = T == 1 and self._prefetch
-        if L["router"] is None:
-            ops = [self._prefetch_op(l)] if pf else []
-            ops += self._normed(L["ffn_norm"], [(L["ffn_gate"], self.fg), (L["ffn_up"], self.fu)], T)
-            ops.append(lambda st: kops.swiglu(self.fg, self.fu, self.fh, T, st))
-            ops += self._linear(L["ffn_down"], self.fh, self.x, T, accumulate=True)
-            return ops, [], False
-        k = s.n_expert_used
-        table = self._table[l]
-        shared = L["shexp_gate"] is not None
-        mats = [(L["router"], self.rl)] + ([(L["shexp_gate"], self.sg), (L["shexp_up"], self.su)] if shared else [])
-        ops = self._normed(L["ffn_norm"], mats, T, x_out=self.xn)
-        hybrid = l not in self._full
-        # publish in the routing launch: the CPU starts on the misses while the GPU computes the hits below
-        pub = (self.xn, table, self.mb.device, self.done, self.counter) if hybrid else None
-        ops.append(lambda st: kops.route_topk(self.rl, k, bool(s.expert_norm), float(s.expert_weights_scale),
-                                              self.ids, self.wts, T, st, publish=pub))
-        if pf:
-            ops.append(self._prefetch_op(l))
-        if self.cache.slots.get(l, 0) > 0:
-            buf, lay = self.cache.bufs[l], self.cache.layouts[l]
-            g, u, d = lay.mats["gate"], lay.mats["up"], lay.mats["down"]
-            ops.append(lambda st: kmm.moe_gate_up((g.qtype, g.offset, g.row_bytes), (u.qtype, u.offset, u.row_bytes),
-                                                  buf, g.rows, table, self.ids, self.xn, self.eh, T, st))
-            ops.append(lambda st: kmm.moe_down((d.qtype, d.offset, d.row_bytes), buf, d.rows, table, self.ids,
-                                               self.wts, self.eh, self.x, T, st))
-        if shared:
-            ops.append(lambda st: kops.swiglu(self.sg, self.su, self.sh, T, st))
-            if L["shexp_gate_inp"] is not None:
-                ops += self._linear(L["shexp_down"], self.sh, self.sy, T)
-                ops.append(lambda st: kops.sigmoid_gate(self.sy, self.xn, L["shexp_gate_inp"], T, st))
-                ops.append(lambda st: kops.add(self.x, self.sy, T, st))
-            else:
-                ops += self._linear(L["shexp_down"], self.sh, self.x, T, accumulate=True)
-        after: list[Op] = []
-        if hybrid:  # the pool's sum into the residual stream (behind the layer's gate where there are gates)
-            after = [self.mb.gate_op(l)] if self._gated else []
-            after.append(lambda st: kops.add(self.x, self.mb.device["y"], T, st))
-        return ops, after, hybrid
-
     def _prefetch_op(self, l: int) -> Op:
         """A branch off the stream that brings into L2, while layer l computes, the down matrices of the experts
         token 0 chose in layer l that have VRAM slots (l >= 0), then layer l + 1's dense matrices. It writes
@@ -427,7 +385,7 @@ class GPUBackend:
         cur.append(lambda st: kmm.embed(D["embd"].qtype, D["embd"].rows, tokens, self.x, T, st))
         for l in range(s.n_layer):
             cur += self._mixers[l](self, l, T)
-            pre, post, hybrid = self._ffn(l, T)
+            pre, post, hybrid = self._ffns[l](self, l, T)
             cur += pre
             if hybrid:
                 self._end_segment(segs, cur, l)
