@@ -198,7 +198,8 @@ def plan_gpu(g: GGUFFile, spec: ModelSpec, src, n_ctx: int, vram_budget: float |
     slot_bytes = {l: slot_layout(src, l).slot_bytes for l in src.layers} if src is not None else {}
     return make_gpu_plan(free=free, total=total, dense=dense, kv=kv, scratch=scratch,
                          experts=memory_needs(g, spec, n_ctx).expert_bytes, slot_bytes=slot_bytes,
-                         n_expert=spec.n_expert, vram_budget=vram_budget)
+                         n_expert=spec.n_expert, vram_budget=vram_budget,
+                         layout=os.environ.get("STRATA_NB_VRAM_LAYOUT", "slots"))  # an experiment's switch
 
 
 def set_threads(threads: int | None) -> int:

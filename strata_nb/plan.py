@@ -223,8 +223,13 @@ class GPUPlan:
 
 def make_gpu_plan(*, free: int, total: int, dense: int, kv: int, scratch: int, experts: int,
                   slot_bytes: dict[int, int], n_expert: int, vram_budget: float | None = None,
-                  runtime: int = GPU_RUNTIME_BYTES) -> GPUPlan:
-    """Expert slots per MoE layer from the VRAM budget (bytes; None: free memory minus a reserve)."""
+                  runtime: int = GPU_RUNTIME_BYTES, layout: str = "slots") -> GPUPlan:
+    """Expert slots per MoE layer from the VRAM budget (bytes; None: free memory minus a reserve). layout "slots":
+    the same number in every MoE layer; "layers": every expert of as many layers as fit (the last ones first, as
+    llama.cpp's -ncmoe keeps the first layers' experts on the CPU), none in the others (an experiment: a layer held
+    whole needs no CPU pool call, a partly held one pays the pool's fixed cost however few choices miss)."""
+    if layout not in ("slots", "layers"):
+        raise StrataError(f"unknown VRAM layout {layout!r} (slots or layers)")
     reserve = max(MIN_RESERVE // 2, int(RESERVE_FRACTION * total))
     if vram_budget is not None:
         budget, source = int(vram_budget), "--vram-budget"
@@ -242,6 +247,14 @@ def make_gpu_plan(*, free: int, total: int, dense: int, kv: int, scratch: int, e
                           f"{runtime / GB:.2f}), the VRAM budget is {budget / GB:.2f} GB"
                           + (" (try a smaller --ctx)" if kv > 0.1 * fixed else ""))
     per_layer = sum(slot_bytes.values())
-    n = min(n_expert, (budget - fixed) // per_layer) if per_layer else 0
-    return GPUPlan(free, total, budget, source, dense, kv, scratch, runtime, experts, dict(slot_bytes),
-                   {l: int(n) for l in slot_bytes}, n_expert)
+    if layout == "layers":
+        slots, room = {l: 0 for l in slot_bytes}, budget - fixed
+        for l in sorted(slot_bytes, reverse=True):
+            if slot_bytes[l] * n_expert > room:
+                break
+            slots[l], room = n_expert, room - slot_bytes[l] * n_expert
+    else:
+        n = min(n_expert, (budget - fixed) // per_layer) if per_layer else 0
+        slots = {l: int(n) for l in slot_bytes}
+    return GPUPlan(free, total, budget, source, dense, kv, scratch, runtime, experts, dict(slot_bytes), slots,
+                   n_expert)

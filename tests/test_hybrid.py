@@ -417,6 +417,11 @@ def test_gpu_plan_refuses_what_the_device_cannot_hold():
     assert p.slots == {0: per, 1: per} and p.slot_total <= 5 * GB - p.fixed
     auto = make_gpu_plan(**kw)
     assert auto.budget < kw["free"] and auto.fixed + auto.slot_total <= auto.budget
+    # whole layers, the last first: 1.28 GB holds one layer of 128 experts of 10 MiB, not two
+    whole = make_gpu_plan(**kw, vram_budget=p.fixed + 128 * (10 << 20) + (100 << 20), layout="layers")
+    assert whole.slots == {0: 0, 1: 128}
+    with pytest.raises(StrataError, match="unknown VRAM layout"):
+        make_gpu_plan(**kw, layout="rows")
 
 
 def _cli(*args):

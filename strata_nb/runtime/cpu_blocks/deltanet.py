@@ -1,5 +1,6 @@
 """The gated delta-net mixer on the CPU (Qwen3-Next, Qwen3.5 MoE): projections, causal conv with its state, the
-decay and beta gates, the delta-rule recurrence per value head, the gated RMSNorm and the output projection. The layer's RecurrentState carries the conv inputs and the recurrence across calls."""
+decay and beta gates, the delta-rule recurrence per value head, the gated RMSNorm and the output projection. The
+layer's RecurrentState carries the conv inputs and the recurrence across calls."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -13,7 +14,6 @@ from strata_nb.runtime.session import RecurrentState
 
 if TYPE_CHECKING:
     from strata_nb.runtime.cpu_backend import CPUBackend
-
 
 
 def deltanet(b: "CPUBackend", lw: LayerWeights, x: np.ndarray, state: RecurrentState, at: Positions) -> np.ndarray:
