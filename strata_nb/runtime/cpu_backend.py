@@ -44,7 +44,7 @@ class CPUBackend:
         moe = [i for i, lw in enumerate(weights.layers) if lw.router is not None]
         self.next_moe = dict(zip(moe, moe[1:]))  # for the MoE block's lookahead
         self._mixers = [MIXERS[ls.mixer] for ls in spec.layers]
-        self._ffns = [FFNS[ls.ffn] for ls in spec.layers]
+        self.ffns = [FFNS[ls.ffn] for ls in spec.layers]  # per layer: ffn(backend, lw, layer, a)
         # Per MoE layer: the routed-expert kernel specialized for its quant types, and its matrix geometry.
         self._moe: dict[int, tuple] = {}
         self._skip_routed = False  # warm_up(routed=False)
@@ -275,7 +275,7 @@ class CPUBackend:
         at = Positions(session.pos, cos, sin)
         for i, lw in enumerate(self.w.layers):
             x += self._mixers[i](self, lw, x, session.states[i], at)
-            x += self._ffns[i](self, lw, i, self.norm_act(x, lw.ffn_norm, self._ffn_group[i]))
+            x += self.ffns[i](self, lw, i, self.norm_act(x, lw.ffn_norm, self._ffn_group[i]))
         if not all_logits:
             x = x[-1:]
         logits = self.linear(self.w.output, self.norm_act(x, self.w.output_norm, self.group(self.w.output.qtype)))

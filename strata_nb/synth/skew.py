@@ -174,6 +174,14 @@ def edit_rows(name: str, qtype: T, n_embd: int, r0: int, rows: np.ndarray) -> No
         rows.view(np.float32)[:, BIAS_DIM] = 0.0  # calibrate_router fills the column in
 
 
+def _wrap_moe(backend, block) -> None:
+    """Run `block` (the MoE FFN's signature: backend, layer weights, layer, input) in place of the CPU engine's MoE
+    FFN in every MoE layer."""
+    from strata_nb.runtime.cpu_blocks.ffn import moe as ffn_moe
+
+    backend.ffns = [block if f is ffn_moe else f for f in backend.ffns]
+
+
 def calibrate_router(path: str | os.PathLike, spec: SkewSpec, router_offsets: dict[int, int],
                      n_embd: int, n_pilot: int = PILOT_TOKENS) -> list[float]:
     """Fill router column BIAS_DIM of each MoE layer of the file at `path` (in place) from a pilot forward.
@@ -183,6 +191,7 @@ def calibrate_router(path: str | os.PathLike, spec: SkewSpec, router_offsets: di
     if n_pilot < 2:
         raise StrataError(f"router skew: the pilot needs at least 2 tokens, got {n_pilot}")
     from strata_nb.api import Engine
+    from strata_nb.runtime.cpu_blocks.ffn import moe as ffn_moe
 
     b = fit_bias(spec.n_expert, spec.k, float(spec.alpha))
     mm = np.memmap(path, dtype=np.uint8, mode="r+")
@@ -193,9 +202,8 @@ def calibrate_router(path: str | os.PathLike, spec: SkewSpec, router_offsets: di
         # The CPU engine always: the pilot wraps its MoE layer (the hybrid engine routes on the GPU); the file is
         # patched as we go.
         eng = Engine(path, device="cpu", n_ctx=max(64, n_pilot), experts="mmap")
-        original = eng.backend.moe
 
-        def moe(lw, layer, a):
+        def moe(bk, lw, layer, a):
             w = routers.get(layer)
             if w is not None:
                 x = np.asarray(a.x, np.float64)
@@ -211,9 +219,9 @@ def calibrate_router(path: str | os.PathLike, spec: SkewSpec, router_offsets: di
                 col[expert_ranks(spec.seed, layer, spec.n_expert)] = b / ratio
                 w[:, BIAS_DIM] = col  # the engine's read-only map of the same file sees this before routing
                 ratios.append(ratio)
-            return original(lw, layer, a)
+            return ffn_moe(bk, lw, layer, a)
 
-        eng.backend.moe = moe
+        _wrap_moe(eng.backend, moe)
         rng = np.random.Generator(np.random.PCG64([spec.seed, _SEED_TAG + 1]))  # the pilot's token ids
         eng.logits(rng.integers(0, eng.spec.n_vocab, n_pilot).tolist())
         del eng
@@ -233,6 +241,7 @@ def measure_routing(path: str | os.PathLike, prompt: list[int], n_gen: int, thre
 
     Top-k is recomputed in float32 from the router and the MoE input (the engine's own choice up to rounding)."""
     from strata_nb.api import Engine
+    from strata_nb.runtime.cpu_blocks.ffn import moe as ffn_moe
 
     eng = Engine(path, device="cpu", n_ctx=len(prompt) + n_gen + 1, threads=threads)  # wraps the CPU MoE layer
     s = eng.spec
@@ -243,15 +252,14 @@ def measure_routing(path: str | os.PathLike, prompt: list[int], n_gen: int, thre
         if eng.gguf.has(name):
             routers[i] = eng.gguf.f32(eng.gguf.tensor(name)).reshape(s.n_expert, s.n_embd)
     counts = np.zeros((s.n_layer, s.n_expert), np.int64)
-    original = eng.backend.moe
 
-    def moe(lw, layer, a):
+    def moe(bk, lw, layer, a):
         logits = np.asarray(a.x, np.float32) @ routers[layer].T
         top = np.argsort(-logits, axis=1, kind="stable")[:, :s.n_expert_used]
         counts[layer] += np.bincount(top.ravel(), minlength=s.n_expert)
-        return original(lw, layer, a)
+        return ffn_moe(bk, lw, layer, a)
 
-    eng.backend.moe = moe
+    _wrap_moe(eng.backend, moe)
     session = eng.new_session()
     logits = eng.backend.forward(session, np.asarray(prompt, np.int64))
     for _ in range(n_gen):
