@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -139,9 +140,15 @@ def run_serve(*, model, host, port, model_name, park_budget, max_queue, use_ray,
                       model_id=model_name)
         click.echo(f"serving {svc.model_id} at http://{host}:{port}/v1 (Ctrl-C to stop)", err=True)
         # uvicorn handles SIGINT/SIGTERM: no new connections, open ones get 5 s, then their tasks are cancelled
-        # (which cancels their generations); the engine thread is stopped after that
-        uvicorn.run(create_app(lambda: svc), host=host, port=port, log_level="warning",
-                    timeout_graceful_shutdown=5)
+        # (which cancels their generations). It then re-raises the signal to the handler it found: these quiet
+        # ones, so that the engine thread is stopped, the profile saved and the engine closed, with exit status 0.
+        quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            uvicorn.run(create_app(lambda: svc), host=host, port=port, log_level="warning",
+                        timeout_graceful_shutdown=5)
+        finally:
+            for sig, handler in quiet.items():
+                signal.signal(sig, handler)
         svc.scheduler.close()
         _save_profile_at_exit(eng, save_profile)
     finally:

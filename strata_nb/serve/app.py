@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -42,7 +43,7 @@ def create_app(get_service: Callable[[], object]) -> FastAPI:
     @app.get("/health")
     async def health() -> dict:
         svc = get_service()
-        return {"status": "ok", "model": svc.model_id, "queued": svc.scheduler.queued}
+        return {"status": "ok", "model": svc.model_id, "queued": svc.scheduler.queued, "pid": os.getpid()}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
