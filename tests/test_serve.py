@@ -382,8 +382,8 @@ def test_frequency_and_presence_penalties():
     cfg = SamplerConfig(frequency_penalty=0.5, presence_penalty=0.25, repeat_penalty=2.0, repeat_last_n=4)
     s = Sampler(cfg, 8)
     lg = np.array([1, 2, 3, -4, 5, 6, 7, 8], np.float32)
-    got = s._penalized(lg, [0, 3, 3, 9 % 8, 3, 3, 5])  # window: the last 4 = [3, 1, 3, 5] ... see below
-    window = [3, 3, 3, 5][-4:] if False else [1, 3, 3, 5]
+    got = s._penalized(lg, [0, 3, 3, 1, 3, 3, 5])
+    window = [1, 3, 3, 5]  # the last repeat_last_n tokens
     want = lg.copy()
     for t in set(window):
         v = want[t] * 2.0 if want[t] <= 0 else want[t] / 2.0

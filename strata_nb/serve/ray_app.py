@@ -58,8 +58,8 @@ def run_replicas(model: str, *, replicas: int, host: str, port: int, engine: dic
     def _stop(signum, frame):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _stop)  # SIGTERM shuts the replicas down as Ctrl-C does
     ray.init(include_dashboard=False, configure_logging=False)
+    signal.signal(signal.SIGTERM, _stop)  # after ray.init, whose own handler aborts: shut down as Ctrl-C does
     try:
         serve.start(http_options={"host": host, "port": port})
         app = StrataReplica.options(num_replicas=replicas, ray_actor_options={"num_cpus": 0}).bind(
