@@ -114,12 +114,21 @@ def _open_for_session(model, ctx, threads, pack, fast, memory, sampler, save_pro
     return open_engine(m, ctx=ctx, threads=threads, pack=pack, fast=fast, memory=memory)
 
 
+def _need(*modules: str, extra: str) -> None:
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise StrataError(f"{', '.join(missing)} not installed: pip install 'strata-nb[{extra}]'")
+
+
 def run_serve(*, model, host, port, model_name, park_budget, max_queue, use_ray, replicas, ctx, threads, pack, fast,
               sampler, memory, save_profile) -> None:
     if not 0 < port < 65536:
         raise StrataError(f"--port must be in 1..65535, got {port}")
     if not park_budget >= 0:
         raise StrataError(f"--park-budget must be >= 0, got {park_budget}")
+    _need("fastapi", "uvicorn", *(("ray",) if use_ray else ()), extra="serve-ray" if use_ray else "serve")
     if use_ray:
         from strata_nb.serve.ray_app import run_replicas
 

@@ -461,3 +461,21 @@ def test_chat_load_refuses_another_model(model, tmp_path):
     b.run(io.StringIO(f"/load {saved}\n/load {tmp_path / 'missing.npz'}\n/stats\n"))
     assert "saved with another model" in err.getvalue() and "no such file" in err.getvalue()
     assert b.messages == [] and b.runner.session.pos == 0
+
+
+def test_chat_request_marks_its_turn_boundary_for_recurrent_models(arch_model):
+    """A chat request to a recurrent model carries where its last message starts (the snapshot point a follow-up
+    with the same system prompt resumes at); a KV-only model needs none."""
+    from types import SimpleNamespace
+
+    from strata_nb.api import Model
+    from strata_nb.serve import protocol
+
+    m = Model(arch_model)
+    svc = SimpleNamespace(model=m, model_id="x", n_ctx=CTX, recurrent=m.spec.recurrent, sampler=SamplerConfig())
+    msgs = [{"role": "system", "content": "the document"}, {"role": "user", "content": "a question"}]
+    work = protocol.parse({"messages": msgs, "max_tokens": 4}, svc, chat=True)
+    assert work.prompt == m.encode_chat(msgs) and work.max_new == 4
+    head = m.encode_chat(msgs[:1], add_generation_prompt=False)
+    assert work.boundary == (len(head) if m.spec.recurrent else None)
+    assert protocol.parse({"messages": msgs[1:]}, svc, chat=True).max_new == CTX - len(m.encode_chat(msgs[1:]))

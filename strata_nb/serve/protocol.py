@@ -113,8 +113,7 @@ def parse(body: object, service, chat: bool) -> Work:
             msgs = messages_of(body)
             prompt = m.encode_chat(msgs)
             if service.recurrent and len(msgs) > 1:  # the state before the last message is worth keeping
-                head = m.encode_chat(msgs[:-1], add_generation_prompt=False)
-                boundary = len(head) if prompt[:len(head)] == head else None
+                boundary = _boundary(m, msgs, prompt)
         else:
             prompt = _completion_prompt(body, m)
     except StrataError as e:
@@ -132,6 +131,16 @@ def parse(body: object, service, chat: bool) -> Work:
                    f"{n_ctx} tokens", key, "context_length_exceeded")
     return Work(prompt=prompt, max_new=max_new, sampler=_sampler(body, service.sampler), stop=_stops(body),
                 stream=_flag(body, "stream"), include_usage=_include_usage(body), boundary=boundary)
+
+
+def _boundary(model, msgs: list[dict], prompt: list[int]) -> int | None:
+    """Where the last message starts in prompt: the length of the earlier messages rendered alone, when that is a
+    prefix of it (a template may refuse them alone, e.g. Qwen3's without a user message: then there is none)."""
+    try:
+        head = model.encode_chat(msgs[:-1], add_generation_prompt=False)
+    except StrataError:
+        return None
+    return len(head) if prompt[:len(head)] == head else None
 
 
 def _completion_prompt(body: dict, model) -> list[int]:
