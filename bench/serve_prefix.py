@@ -118,7 +118,9 @@ def main() -> None:
              f"threads; {platform.processor() or platform.machine()}, {os.cpu_count()} cores; load average "
              f"{load0[0]:.2f} before, {load1[0]:.2f} after. A system prompt of ~{a.prefix_tokens} tokens and a "
              f"question; the follow-up asks another question with the same system prompt. TTFT: request sent to "
-             f"the first streamed content (openai client, loopback), max_tokens {a.max_tokens}, greedy.",
+             f"the first streamed content (openai client, loopback), max_tokens {a.max_tokens}, greedy. cached: the "
+             f"prompt tokens resumed instead of computed (a first request's few are the template's opening, kept "
+             f"from the warm-up request).",
              "",
              "| rep | prompt tokens | first request TTFT (s) | cached | follow-up TTFT (s) | cached | speed-up |",
              "|---|---|---|---|---|---|---|"]
