@@ -109,9 +109,10 @@ def _engine_options(f):
         click.option("--kernels", type=click.Choice(["fast", "reference"]), default="fast", show_default=True,
                      help="fast: int8 activations; reference: float32 activations (the accuracy reference)."),
     ]
-    for o in reversed(opts):
+    f = _memory_options(f)
+    for o in reversed(opts):  # listed before the memory options, as generate always listed them
         f = o(f)
-    return _memory_options(f)
+    return f
 
 
 def _take_engine(opts: dict) -> dict:
