@@ -53,6 +53,10 @@ def _sampling_options(f):
         click.option("--min-p", type=float, default=0.05, show_default=True),
         click.option("--repeat-penalty", type=float, default=1.0, show_default=True),
         click.option("--repeat-last-n", type=int, default=64, show_default=True),
+        click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
+                     help="Subtracted from a token's logit per occurrence in the last --repeat-last-n tokens."),
+        click.option("--presence-penalty", type=float, default=0.0, show_default=True,
+                     help="Subtracted once from the logit of a token in the last --repeat-last-n tokens."),
         click.option("--seed", type=int, default=None, help="Seed for sampling: the same seed, the same text."),
     ]
     for o in reversed(opts):
@@ -95,6 +99,39 @@ def _memory_kwargs(device, experts, ram_budget, vram_budget, expert_profile, loo
             "lookahead_k": lookahead, "kv_type": kv_type}
 
 
+def _engine_options(f):
+    """What every command that loads an engine takes: context, threads, pack, kernels and the memory options."""
+    opts = [
+        click.option("--ctx", type=int, default=4096, show_default=True, help="Context length (KV cache size)."),
+        click.option("--threads", type=int, default=None, help="CPU threads (default: all cores)."),
+        click.option("--pack", default=None, type=click.Path(),
+                     help="Expert pack (default: one beside the GGUF, if any)."),
+        click.option("--kernels", type=click.Choice(["fast", "reference"]), default="fast", show_default=True,
+                     help="fast: int8 activations; reference: float32 activations (the accuracy reference)."),
+    ]
+    f = _memory_options(f)
+    for o in reversed(opts):  # listed before the memory options, as generate always listed them
+        f = o(f)
+    return f
+
+
+def _take_engine(opts: dict) -> dict:
+    """The engine's keyword arguments, popped from a command's options (_engine_options); save_profile is left."""
+    memory = _memory_kwargs(*(opts.pop(k) for k in ("device", "experts", "ram_budget", "vram_budget",
+                                                     "expert_profile", "lookahead", "kv_type")))
+    return {"ctx": opts.pop("ctx"), "threads": opts.pop("threads"), "pack": opts.pop("pack"),
+            "fast": opts.pop("kernels") == "fast", "memory": memory}
+
+
+def _take_sampler(opts: dict):
+    """The SamplerConfig of a command's sampling options (_sampling_options), popped from opts."""
+    from strata_nb.runtime.sampler import SamplerConfig
+
+    return SamplerConfig(**{k: opts.pop(k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
+                                                      "repeat_last_n", "frequency_penalty", "presence_penalty",
+                                                      "seed")})
+
+
 def _parse_token_list(s: str) -> list[int]:
     try:
         return [int(t) for t in s.replace(",", " ").split()]
@@ -110,19 +147,12 @@ def _parse_token_list(s: str) -> list[int]:
 @click.option("--chat", is_flag=True, help="Render the prompt with the model's chat template.")
 @click.option("--system", default=None, help="System prompt (with --chat).")
 @click.option("-n", "--n-predict", type=int, default=128, show_default=True, help="Tokens to generate.")
-@click.option("--ctx", type=int, default=4096, show_default=True, help="Context length (KV cache size).")
-@click.option("--threads", type=int, default=None, help="CPU threads (default: all cores).")
-@click.option("--pack", default=None, type=click.Path(), help="Expert pack (default: one beside the GGUF, if any).")
-@click.option("--kernels", type=click.Choice(["fast", "reference"]), default="fast", show_default=True,
-              help="fast: int8 activations; reference: float32 activations (the accuracy reference).")
-@_memory_options
+@_engine_options
 @_sampling_options
 @click.option("--dump-logits", type=click.Path(dir_okay=False), default=None,
               help="Save float32 [positions, vocab] logits of every prompt and generated position (.npy).")
 @click.option("--stats", is_flag=True, help="Print timing and bandwidth statistics to stderr.")
-def generate(model, prompt, prompt_file, tokens, chat, system, n_predict, ctx, threads, pack, kernels,
-             device, experts, ram_budget, vram_budget, kv_type, expert_profile, lookahead, save_profile,
-             temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, dump_logits, stats):
+def generate(model, prompt, prompt_file, tokens, chat, system, n_predict, dump_logits, stats, **opts):
     """Generate text from a prompt."""
     from strata_nb.cli.run import run_generate
 
@@ -138,15 +168,53 @@ def generate(model, prompt, prompt_file, tokens, chat, system, n_predict, ctx, t
             prompt = Path(prompt_file).read_text(encoding="utf-8")
         except FileNotFoundError:
             raise StrataError(f"prompt file not found: {prompt_file}") from None
-    from strata_nb.runtime.sampler import SamplerConfig
-
-    sampler = SamplerConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+    engine = _take_engine(opts)
     run_generate(model=model, prompt=prompt, token_ids=_parse_token_list(tokens) if tokens is not None else None,
-                 chat=chat, system=system, n_predict=n_predict, ctx=ctx, threads=threads, pack=pack,
-                 fast=kernels == "fast", sampler=sampler, dump_logits=dump_logits, stats=stats,
-                 memory=_memory_kwargs(device, experts, ram_budget, vram_budget, expert_profile, lookahead, kv_type),
-                 save_profile=save_profile)
+                 chat=chat, system=system, n_predict=n_predict, sampler=_take_sampler(opts),
+                 dump_logits=dump_logits, stats=stats, save_profile=opts.pop("save_profile"), **engine)
+
+
+# ------------------------------------------------------------------------------------------------- serve
+@main.command()
+@click.option("-m", "--model", required=True, type=click.Path(dir_okay=False), help="GGUF model file.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("--model-name", default=None, help="The model id clients name (default: the file name's stem).")
+@click.option("--park-budget", type=float, default=2.0, show_default=True, metavar="GB",
+              help="Host RAM for kept conversation states (least recently used dropped first).")
+@click.option("--max-queue", type=int, default=16, show_default=True,
+              help="Requests that may wait for the engine; more are refused with 503 and Retry-After.")
+@click.option("--ray", "use_ray", is_flag=True, help="Run --replicas engines behind one endpoint with Ray Serve.")
+@click.option("--replicas", type=int, default=2, show_default=True, help="Engines with --ray (one per process).")
+@_engine_options
+@_sampling_options
+def serve(model, host, port, model_name, park_budget, max_queue, use_ray, replicas, **opts):
+    """An OpenAI-compatible HTTP server (chat and completions, streamed or not) with kept conversations.
+    The sampling options are the defaults a request's own fields override."""
+    from strata_nb.cli.run import run_serve
+
+    engine = _take_engine(opts)
+    run_serve(model=model, host=host, port=port, model_name=model_name, park_budget=park_budget,
+              max_queue=max_queue, use_ray=use_ray, replicas=replicas, sampler=_take_sampler(opts),
+              save_profile=opts.pop("save_profile"), **engine)
+
+
+# -------------------------------------------------------------------------------------------------- chat
+@main.command()
+@click.option("-m", "--model", required=True, type=click.Path(dir_okay=False), help="GGUF model file.")
+@click.option("--system", default=None, help="System prompt.")
+@click.option("-n", "--n-predict", type=int, default=512, show_default=True, help="Most tokens per answer.")
+@_engine_options
+@_sampling_options
+def chat(model, system, n_predict, **opts):
+    """An interactive chat in the terminal: /reset, /save FILE, /load FILE, /stats, /quit."""
+    from strata_nb.cli.run import run_chat
+
+    if n_predict < 1:
+        raise StrataError(f"-n must be >= 1, got {n_predict}")
+    engine = _take_engine(opts)
+    run_chat(model=model, system=system, n_predict=n_predict, sampler=_take_sampler(opts),
+             save_profile=opts.pop("save_profile"), **engine)
 
 
 # -------------------------------------------------------------------------------------------------- info

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -44,31 +45,132 @@ def _save_npy_atomic(path: str, arr: np.ndarray) -> None:
     os.replace(tmp, p)
 
 
+def _check_profile_path(save_profile: str | None) -> None:
+    if save_profile is not None and not Path(save_profile).resolve().parent.is_dir():
+        raise StrataError(f"--save-profile: directory does not exist: {Path(save_profile).parent}")
+
+
+def open_engine(m, *, ctx, threads, pack, fast, memory: dict | None = None, banner: str | None = None):
+    """Load an Engine from a checked Model: progress bar, the plan printed, then the kernels warmed up."""
+    from strata_nb.api import load
+
+    fill = _Progress("filling resident experts")
+    eng = load(m, pack=pack, n_ctx=ctx, threads=threads, fast=fast, progress=fill, **(memory or {}))
+    fill.finish()
+    try:
+        if banner:
+            click.echo(banner, err=True)
+        _echo_plan(eng)
+        _warm_up(eng)
+    except BaseException:
+        eng.close()
+        raise
+    return eng
+
+
+def _save_profile_at_exit(eng, save_profile: str | None) -> None:
+    if save_profile is not None:
+        eng.save_profile(save_profile)
+        click.echo(f"routing profile saved to {save_profile}", err=True)
+
+
 def run_generate(*, model, prompt, token_ids, chat, system, n_predict, ctx, threads, pack, fast, sampler,
                  dump_logits, stats, banner: str | None = None, memory: dict | None = None,
                  save_profile: str | None = None) -> None:
-    from strata_nb.api import Model, load
+    from strata_nb.api import Model
 
     # The whole request is checked against the file before anything is loaded (weights bound, experts read or
     # uploaded): a refused run prints its one line and nothing else. The engine checks its own options (device,
     # --vram-budget, threads, lookahead) first thing, before any of that too.
     sampler.validate()
-    for flag, path in (("--save-profile", save_profile), ("--dump-logits", dump_logits)):
-        if path is not None and not Path(path).resolve().parent.is_dir():
-            raise StrataError(f"{flag}: directory does not exist: {Path(path).parent}")
+    _check_profile_path(save_profile)
+    if dump_logits is not None and not Path(dump_logits).resolve().parent.is_dir():
+        raise StrataError(f"--dump-logits: directory does not exist: {Path(dump_logits).parent}")
     m = Model(model)
     if save_profile is not None:
         m.require_experts("no routing profile to save")
     toks = m.check_tokens(m.encode(prompt, chat=chat, system=system) if token_ids is None else token_ids, ctx,
                           n_predict)
-    fill = _Progress("filling resident experts")
-    eng = load(m, pack=pack, n_ctx=ctx, threads=threads, fast=fast, progress=fill, **(memory or {}))
-    fill.finish()
+    eng = open_engine(m, ctx=ctx, threads=threads, pack=pack, fast=fast, memory=memory, banner=banner)
     try:
-        _generate(eng, toks, n_predict, sampler, dump_logits, stats, banner)
+        _generate(eng, toks, n_predict, sampler, dump_logits, stats)
+        _save_profile_at_exit(eng, save_profile)
+    finally:
+        eng.close()
+
+
+def _open_for_session(model, ctx, threads, pack, fast, memory, sampler, save_profile, chat: bool):
+    """serve and chat: the file and options checked, then the engine loaded."""
+    from strata_nb.api import Model, check_ctx
+
+    sampler.validate()
+    check_ctx(ctx)
+    _check_profile_path(save_profile)
+    m = Model(model)
+    if save_profile is not None:
+        m.require_experts("no routing profile to save")
+    if chat and not m.gguf.get("tokenizer.chat_template"):
+        raise StrataError(f"{m.path.name} has no tokenizer.chat_template: nothing to chat with")
+    return open_engine(m, ctx=ctx, threads=threads, pack=pack, fast=fast, memory=memory)
+
+
+def _need(*modules: str, extra: str) -> None:
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise StrataError(f"{', '.join(missing)} not installed: pip install 'strata-nb[{extra}]'")
+
+
+def run_serve(*, model, host, port, model_name, park_budget, max_queue, use_ray, replicas, ctx, threads, pack, fast,
+              sampler, memory, save_profile) -> None:
+    if not 0 < port < 65536:
+        raise StrataError(f"--port must be in 1..65535, got {port}")
+    if not park_budget >= 0:
+        raise StrataError(f"--park-budget must be >= 0, got {park_budget}")
+    _need("fastapi", "uvicorn", *(("ray",) if use_ray else ()), extra="serve-ray" if use_ray else "serve")
+    if use_ray:
+        from strata_nb.serve.ray_app import run_replicas
+
         if save_profile is not None:
-            eng.save_profile(save_profile)
-            click.echo(f"routing profile saved to {save_profile}", err=True)
+            raise StrataError("--save-profile is not supported with --ray (one profile per replica)")
+        run_replicas(model, replicas=replicas, host=host, port=port, engine={"n_ctx": ctx, "threads": threads,
+                     "pack": pack, "fast": fast, **memory}, sampler=sampler, park_budget_bytes=int(park_budget * 1e9),
+                     max_queue=max_queue, model_name=model_name)
+        return
+    import uvicorn
+
+    from strata_nb.serve.app import create_app
+    from strata_nb.serve.service import Service
+
+    eng = _open_for_session(model, ctx, threads, pack, fast, memory, sampler, save_profile, chat=False)
+    try:
+        svc = Service(eng, sampler=sampler, park_budget_bytes=int(park_budget * 1e9), max_queue=max_queue,
+                      model_id=model_name)
+        click.echo(f"serving {svc.model_id} at http://{host}:{port}/v1 (Ctrl-C to stop)", err=True)
+        # uvicorn handles SIGINT/SIGTERM: no new connections, open ones get 5 s, then their tasks are cancelled
+        # (which cancels their generations). It then re-raises the signal to the handler it found: these quiet
+        # ones, so that the engine thread is stopped, the profile saved and the engine closed, with exit status 0.
+        quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            uvicorn.run(create_app(lambda: svc), host=host, port=port, log_level="warning",
+                        timeout_graceful_shutdown=5)
+        finally:
+            for sig, handler in quiet.items():
+                signal.signal(sig, handler)
+        svc.scheduler.close()
+        _save_profile_at_exit(eng, save_profile)
+    finally:
+        eng.close()
+
+
+def run_chat(*, model, system, n_predict, ctx, threads, pack, fast, sampler, memory, save_profile) -> None:
+    from strata_nb.serve.terminal import TerminalChat
+
+    eng = _open_for_session(model, ctx, threads, pack, fast, memory, sampler, save_profile, chat=True)
+    try:
+        TerminalChat(eng, sampler=sampler, max_new=n_predict, system=system).run(sys.stdin)
+        _save_profile_at_exit(eng, save_profile)
     finally:
         eng.close()
 
@@ -103,27 +205,18 @@ def run_plan(model: str, ctx: int, pack: str | None, memory: dict) -> None:
         click.echo(line)
 
 
-def _generate(eng, toks: list[int], n_predict: int, sampler, dump_logits: str | None, stats: bool,
-              banner: str | None) -> None:
-    from strata_nb.model.tokenizer import StreamDecoder
+def _generate(eng, toks: list[int], n_predict: int, sampler, dump_logits: str | None, stats: bool) -> None:
+    from strata_nb.model.textstream import TextStream
 
-    tok = eng.tokenizer
-    if banner:
-        click.echo(banner, err=True)
-    _echo_plan(eng)
-    _warm_up(eng)
-    dec = StreamDecoder(tok, lstrip_first=False)  # generated text continues the prompt, as llama.cpp prints it
-    stop = set(tok.eog_ids)
+    text = TextStream(eng.tokenizer)  # generated text continues the prompt, as llama.cpp prints it
 
     def on_token(t: int) -> None:
-        if t in stop:
-            return
-        piece = dec.push(t)
+        piece = text.push(t)
         if piece:
             click.echo(piece, nl=False)
 
     res = eng.generate(toks, n_predict, sampler, on_token=on_token, keep_logits=dump_logits is not None)
-    click.echo(dec.flush())
+    click.echo(text.flush())
     if dump_logits:
         _save_npy_atomic(dump_logits, np.concatenate(res.logits, axis=0).astype(np.float32))
     if stats:

@@ -66,21 +66,26 @@ class Model:
     def encode(self, text: str, chat: bool = False, system: str | None = None) -> list[int]:
         """The prompt ids of `text`; with chat, of the file's chat template rendered with a user message (after a
         system message when one is given). Special tokens in the text are parsed, as llama.cpp's tools do."""
-        from strata_nb.model.chat import render_chat
-
         if not text:
             raise StrataError("empty prompt: nothing to run")
-        tok = self.tokenizer
-        add_special = True
         if chat:
-            template = self.gguf.get("tokenizer.chat_template")
-            if not template:
-                raise StrataError(f"{self.path.name} has no tokenizer.chat_template; drop --chat")
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-            bos = _token_text(tok, tok.bos_id)
-            text = render_chat(template, msgs, add_generation_prompt=True, bos_token=bos,
-                               eos_token=_token_text(tok, tok.eos_id))
-            add_special = not (bos and text.startswith(bos))  # a template that writes BOS itself: no second one
+            return self.encode_chat(msgs)
+        return self.tokenizer.encode(text, add_special=True, parse_special=True)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The ids of a conversation ({'role', 'content'} dicts) rendered with the file's chat template, followed
+        by the assistant's turn opening (add_generation_prompt)."""
+        from strata_nb.model.chat import render_chat
+
+        template = self.gguf.get("tokenizer.chat_template")
+        if not template:
+            raise StrataError(f"{self.path.name} has no tokenizer.chat_template; drop --chat")
+        tok = self.tokenizer
+        bos = _token_text(tok, tok.bos_id)
+        text = render_chat(template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
+                           eos_token=_token_text(tok, tok.eos_id))
+        add_special = not (bos and text.startswith(bos))  # a template that writes BOS itself: no second one
         return tok.encode(text, add_special=add_special, parse_special=True)
 
     def check_tokens(self, tokens: Sequence[int], n_ctx: int, n_new: int = 0) -> list[int]:
@@ -371,12 +376,15 @@ class Engine:
         return self.backend.forward(self.new_session(), np.asarray(toks, np.int64), all_logits=True)
 
     def generate(self, prompt: Sequence[int], max_new: int = 128, sampler: SamplerConfig | None = None,
-                 on_token: Callable[[int], None] | None = None, keep_logits: bool = False) -> GenerationResult:
+                 on_token: Callable[[int], bool | None] | None = None, keep_logits: bool = False,
+                 session: Session | None = None) -> GenerationResult:
+        """Generate from a fresh sequence, or continue `session` (prompt: only the tokens after what it holds).
+        on_token sees every generated id; returning True stops generation (GenerationResult.stopped_by "caller")."""
         toks = self.check_tokens(prompt)
         s = Sampler(sampler or SamplerConfig(), self.spec.n_vocab)
         self.warm_up()  # before generate's clocks start: a first run's compile is not prompt time
-        return generate(self.backend, self.new_session(), toks, max_new, s, set(self.tokenizer.eog_ids),
-                        on_token=on_token, keep_logits=keep_logits)
+        return generate(self.backend, self.new_session() if session is None else session, toks, max_new, s,
+                        set(self.tokenizer.eog_ids), on_token=on_token, keep_logits=keep_logits)
 
 
 def load(model: str | os.PathLike | Model, **kwargs) -> Engine:

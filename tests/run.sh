@@ -9,7 +9,8 @@ CACHE="${STRATA_NB_CACHE:-$HOME/.cache/strata-nb}"
 SDIST_DIR="$CACHE/sdist"
 export STRATA_VOCAB_DIR="${STRATA_VOCAB_DIR:-$CACHE/llama-vocab}"
 
-python -m pip install -q -e ".[test]"
+# serve-ray: tests/test_serve_ray.py runs two Ray Serve replicas (it skips only where ray is missing)
+python -m pip install -q -e ".[test,serve-ray]"
 # The oracles: transformers on a CPU torch, and llama.cpp through llama-cpp-python built from its sdist.
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 python -c "import transformers, accelerate" 2>/dev/null || python -m pip install -q "transformers>=4.46" accelerate

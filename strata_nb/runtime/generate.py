@@ -29,7 +29,7 @@ class Backend(Protocol):
 @dataclass
 class GenerationResult:
     tokens: list[int]  # generated ids (a stop id that ended generation included)
-    stopped_by: str  # "eog" or "length"
+    stopped_by: str  # "eog", "length", "context" or "caller" (on_token asked to stop)
     prompt_tokens: int
     prompt_s: float  # wall time of the prompt batch (including sampling the first token)
     decode_s: float  # wall time of the decode steps
@@ -56,22 +56,32 @@ class GenerationResult:
 
 
 def generate(backend: Backend, session: Session, prompt: Sequence[int], max_new: int, sampler: Sampler,
-             stop_ids: set[int], on_token: Callable[[int], None] | None = None,
+             stop_ids: set[int], on_token: Callable[[int], bool | None] | None = None,
              keep_logits: bool = False) -> GenerationResult:
-    """Run the prompt as one batch, then decode up to max_new tokens or until a stop id is sampled.
+    """Run the prompt as one batch at the session's position (the tokens it holds already are the context, so a
+    resumed conversation passes only its new tokens), then decode up to max_new tokens or until a stop id is
+    sampled, the context is full or on_token returns True (the caller's stop: a stop string, a cancelled request).
 
-    With keep_logits the last generated token is also run, so the kept logits cover every position.
+    With keep_logits the last generated token is also run, so the kept logits cover every position. The host samples
+    when the logits are kept or the chain is one only the host sampler has (SamplerConfig.host_only).
     """
     stats = getattr(backend, "stats", None)
     store = getattr(backend, "experts", None)
     io0 = store.io.copy() if store is not None else None
     t0 = time.perf_counter()
-    history = list(prompt)
+    history = list(session.tokens) + list(prompt)
+    host = keep_logits or sampler.config.host_only
     kept = []
     tok = -1
-    if keep_logits:  # every position's logits come back, and the host samples
-        logits = backend.forward(session, np.asarray(prompt, np.int64), all_logits=True)
-        kept.append(logits)
+
+    def host_step(tokens: Sequence[int], all_logits: bool) -> np.ndarray:
+        logits = backend.forward(session, np.asarray(tokens, np.int64), all_logits=all_logits)
+        if keep_logits:
+            kept.append(logits)
+        return logits
+
+    if host:
+        logits = host_step(prompt, keep_logits)
         if max_new > 0:
             tok = sampler.sample(logits[-1], history)
     elif max_new > 0:
@@ -90,8 +100,9 @@ def generate(backend: Backend, session: Session, prompt: Sequence[int], max_new:
     while max_new > 0:
         out.append(tok)
         history.append(tok)
-        if on_token is not None:
-            on_token(tok)
+        if on_token is not None and on_token(tok):
+            stopped = "caller"
+            break
         if tok in stop_ids:
             stopped = "eog"
             break
@@ -101,9 +112,8 @@ def generate(backend: Backend, session: Session, prompt: Sequence[int], max_new:
             stopped = "context"
             break
         steps += 1
-        if keep_logits:
-            logits = backend.forward(session, np.asarray([tok], np.int64))
-            kept.append(logits)
+        if host:
+            logits = host_step([tok], False)
             if len(out) >= max_new:
                 break
             tok = sampler.sample(logits[-1], history)

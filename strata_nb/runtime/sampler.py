@@ -1,8 +1,11 @@
 """Token sampling on the host with llama.cpp's default chain and semantics.
 
-Chain: repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw. top-p and min-p see the
-probabilities at temperature 1 (as in llama.cpp, where temperature comes after the filters); each filter keeps at
-least one token. Temperature <= 0 is greedy: the argmax of the penalized logits (the lowest id among equal ones).
+Chain: penalties -> top-k -> top-p -> min-p -> temperature -> draw. top-p and min-p see the probabilities at
+temperature 1 (as in llama.cpp, where temperature comes after the filters); each filter keeps at least one token.
+The penalties see the last repeat_last_n tokens of the sequence (prompt and generated), as llama.cpp's penalties
+sampler: a token's logit is divided (or, when negative, multiplied) by repeat_penalty once, then lowered by
+frequency_penalty per occurrence and presence_penalty once (OpenAI's definitions). Temperature <= 0 is greedy: the
+argmax of the penalized logits (the lowest id among equal ones).
 
 The candidates are ordered by logit descending, equal logits by id ascending, and the draw inverts the cumulative
 distribution over that order with the uniform `uniform(seed, step)`: a counter-based generator (splitmix64), so the
@@ -50,6 +53,8 @@ class SamplerConfig:
     min_p: float = 0.05  # 0.0: off
     repeat_penalty: float = 1.0  # 1.0: off
     repeat_last_n: int = 64  # tokens of history penalized; 0: off, -1: the whole history
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the window; 0.0: off
+    presence_penalty: float = 0.0  # subtracted once for a token in the window; 0.0: off
     seed: int | None = None  # None: a fresh seed from os.urandom
 
     def validate(self) -> None:
@@ -68,8 +73,18 @@ class SamplerConfig:
             raise bad(f"repeat_penalty must be > 0 (1 = off), got {self.repeat_penalty}")
         if int(self.repeat_last_n) != self.repeat_last_n or self.repeat_last_n < -1:
             raise bad(f"repeat_last_n must be an integer >= -1 (0 = off, -1 = all), got {self.repeat_last_n}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+                raise bad(f"{name} must be in [-2, 2] (0 = off), got {v}")
         if self.seed is not None and (int(self.seed) != self.seed or not 0 <= self.seed < 2**64):
             raise bad(f"seed must be an integer in [0, 2^64), got {self.seed}")
+
+    @property
+    def host_only(self) -> bool:
+        """Whether only the host sampler implements this chain (the device sampler has no frequency or presence
+        penalty): generate() then samples the logits on the host."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 class Sampler:
@@ -135,17 +150,20 @@ class Sampler:
         if lg.shape != (self.vocab_size,):
             raise StrataError(f"logits have shape {lg.shape}, the sampler expects ({self.vocab_size},)")
         c = self.config
-        if c.repeat_penalty == 1.0 or c.repeat_last_n == 0 or len(history) == 0:
+        if (c.repeat_penalty == 1.0 and not c.host_only) or c.repeat_last_n == 0 or len(history) == 0:
             return lg
         recent = history if c.repeat_last_n < 0 else history[-c.repeat_last_n:]
-        toks = np.unique(np.asarray(recent, dtype=np.int64))  # each token once, however often it repeats
+        toks, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
         if toks[0] < 0 or toks[-1] >= self.vocab_size:
             raise StrataError(f"token id out of range in history: {int(toks[0] if toks[0] < 0 else toks[-1])}")
         lg = lg.copy()  # never modify the caller's logits
         v = lg[toks]
-        lg[toks] = np.where(v <= 0, v * np.float32(c.repeat_penalty), v / np.float32(c.repeat_penalty))
+        if c.repeat_penalty != 1.0:  # each token once, however often it repeats
+            v = np.where(v <= 0, v * np.float32(c.repeat_penalty), v / np.float32(c.repeat_penalty))
+        if c.host_only:
+            v = v - (counts * np.float32(c.frequency_penalty) + np.float32(c.presence_penalty)).astype(np.float32)
+        lg[toks] = v
         return lg
-
 
 def _sort_desc(lg: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """ids (ascending) ordered by logit descending, equal logits by id ascending (a stable sort keeps id order)."""
