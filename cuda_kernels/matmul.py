@@ -27,6 +27,7 @@ from numba import cuda, float32, float64, uint64
 from numba.core import config
 
 from strata_nb.cpu_kernels.qtypes import name as qname
+from strata_nb.cuda_kernels import matvec_q8 as kq8
 from strata_nb.cuda_kernels.block import block_sum
 from strata_nb.cuda_kernels.quant import _DEV, LAYOUTS, UNIT, _bits_f32
 from strata_nb.errors import StrataError
@@ -512,13 +513,14 @@ def _mv_shape(k: int, total_rows: int) -> tuple[int, int]:
     return MV_WARPS, (MV_ROWS if total_rows >= 32768 else MV_ROWS_SMALL)
 
 
-def matmul(qtype: int, w, x, out, ntok: int, stream, accumulate: bool = False) -> None:
+def matmul(qtype: int, w, x, out, ntok: int, stream, accumulate: bool = False, q8: bool = False) -> None:
     """out[t, r] (+)= dequant(w[r]) . x[t] for t < ntok. w u8[N, row_bytes], x f32[>=ntok, K], out f32[>=ntok, N]
-    (device arrays). ntok == 1 runs the matrix-vector kernel, larger ntok the tiled one."""
+    (device arrays). ntok == 1 runs the matrix-vector kernel (int8 activations where q8 and the type has them),
+    larger ntok the tiled one."""
     if ntok <= 0:
         return
     if ntok == 1:
-        matvec([(qtype, w, out, accumulate)], x, stream)
+        matvec([(qtype, w, out, accumulate)], x, stream, q8=q8)
         return
     lay = _layout(qtype)
     _check_u8(w)
@@ -532,10 +534,11 @@ def matmul(qtype: int, w, x, out, ntok: int, stream, accumulate: bool = False) -
                                                               ntok, int(accumulate))
 
 
-def matvec(mats, x, stream, norm=None, eps: float = 0.0, x_out=None) -> None:
+def matvec(mats, x, stream, norm=None, eps: float = 0.0, x_out=None, q8: bool = False) -> None:
     """For each (qtype, w, out, accumulate) of mats (one to three matrices of the same row length K):
     out[0, r] (+)= dequant(w[r]) . xn, where xn = x[0] or, with norm (f32[K]), rmsnorm(x[0]) * norm (eps as
-    cuda_kernels.ops.rmsnorm); x_out f32[>=1, K], if given with norm, receives xn. One launch."""
+    cuda_kernels.ops.rmsnorm); x_out f32[>=1, K], if given with norm, receives xn. One launch; q8: with xn
+    quantized to int8 (cuda_kernels/matvec_q8.py) where every matrix's type has that kernel."""
     if not 1 <= len(mats) <= 3:
         raise StrataError(f"GPU matvec: 1 to 3 matrices per launch, got {len(mats)}")
     if norm is None and x_out is not None:
@@ -564,7 +567,10 @@ def matvec(mats, x, stream, norm=None, eps: float = 0.0, x_out=None) -> None:
         raise StrataError(f"GPU matvec: norm weight of {norm.shape[0]} for rows of {k}")
     nw = norm if norm is not None else x[0]
     xo = x_out if x_out is not None else x
-    fn = _dense_fn(tuple(types), k, rows, warps, norm is not None)
+    if q8 and kq8.supports([t for t, _ in types], k):
+        fn = kq8.dense_fn(tuple(types), k, rows, warps, norm is not None, _RED)
+    else:
+        fn = _dense_fn(tuple(types), k, rows, warps, norm is not None)
     fn[sum(blocks), LANES * warps, stream](x, nw, float(eps), xo, int(x_out is not None),
                                               *args[0], blocks[0], *args[1], blocks[1], *args[2])
 
@@ -598,11 +604,11 @@ def _slot_views(slots, qtype: int, mat_off: int, nrows: int, row_bytes: int):
     return _views(slots, lay.word4 and row_bytes % 4 == 0 and mat_off % 4 == 0 and slot_bytes % 4 == 0)
 
 
-def moe_gate_up(gate, up, slots, nrows: int, slot_of, ids, x, h, ntok: int, stream) -> None:
+def moe_gate_up(gate, up, slots, nrows: int, slot_of, ids, x, h, ntok: int, stream, q8: bool = False) -> None:
     """h[i, r] = silu(G_s[r] . x[t]) * (U_s[r] . x[t]) for every entry i = t*k + j whose expert has a VRAM slot
     s = slot_of[ids[t, j]] >= 0; other entries keep what they held. gate, up: (qtype, byte offset in a slot,
     row bytes) of the nrows x K matrices; slots u8[n_slots, slot_bytes]; slot_of int32[E]; ids int32[>=ntok, k];
-    x f32[>=ntok, K]; h f32[>=ntok*k, nrows]."""
+    x f32[>=ntok, K]; h f32[>=ntok*k, nrows]. q8: x quantized to int8 where both types have that kernel."""
     if ntok <= 0:
         return
     (qg, og, rbg), (qu, ou, rbu) = gate, up
@@ -618,7 +624,11 @@ def moe_gate_up(gate, up, slots, nrows: int, slot_of, ids, x, h, ntok: int, stre
     _check_act("h", h, nent, nrows)
     rows = _mv_rows(nrows * nent)
     grid = (-(-nrows // (rows * MV_WARPS)), min(nent, MAX_GRID_Y))
-    _gate_up_fn((qg, wdg), (qu, wdu), k, rows)[grid, LANES * MV_WARPS, stream](
+    if q8 and kq8.supports((qg, qu), k):
+        fn = kq8.gate_up_fn((qg, wdg), (qu, wdu), k, rows, MV_WARPS)
+    else:
+        fn = _gate_up_fn((qg, wdg), (qu, wdu), k, rows)
+    fn[grid, LANES * MV_WARPS, stream](
         w8g, wvg, whg, w8u, wvu, whu, slots.shape[1], og, ou, rbg, rbu, nrows, slot_of, ids, x, h, ntok)
 
 

@@ -179,7 +179,8 @@ class GPUBackend:
 
     @property
     def fast(self) -> bool:
-        """int8 activations in the CPU pool (the GPU kernels use float32 activations)."""
+        """int8 activations in the CPU pool and, where the GPU has int8 kernels for a matrix's type, in the
+        decode matrix-vector kernels (self.q8)."""
         return self.cpu.fast
 
     # -- loading ------------------------------------------------------------------------------------------
@@ -194,6 +195,9 @@ class GPUBackend:
             self.side = cuda.stream()
             self._fork_ev, self._join_ev = sync_event(), sync_event()
             self._pf_out = cuda.to_device(np.zeros(1, np.uint32))
+        # Decode matrix-vector kernels with int8 activations (cuda_kernels/matvec_q8.py) with the fast kernels;
+        # STRATA_NB_GPU_Q8=0 keeps the float32 ones (the A/B switch)
+        self.q8 = self.fast and os.environ.get("STRATA_NB_GPU_Q8", "1") != "0"
         self.dev = w
         tm, k = self.ntok_max, max(s.n_expert_used, 1)
         f32 = np.float32
@@ -318,7 +322,8 @@ class GPUBackend:
 
     # -- the program --------------------------------------------------------------------------------------
     def _linear(self, m: _DLinear, x, out, ntok: int, accumulate: bool = False) -> list[Op]:
-        ops: list[Op] = [lambda st: kmm.matmul(m.qtype, m.rows, x, out, ntok, st, accumulate=accumulate)]
+        ops: list[Op] = [lambda st: kmm.matmul(m.qtype, m.rows, x, out, ntok, st, accumulate=accumulate,
+                                                     q8=self.q8)]
         if m.bias is not None:
             ops.append(lambda st: kops.add_bias(out, m.bias, ntok, st))
         return ops
@@ -330,7 +335,8 @@ class GPUBackend:
         eps = float(self.spec.rms_eps)
         if T == 1:
             mv = [(m.qtype, m.rows, out, False) for m, out in mats]
-            ops: list[Op] = [lambda st: kmm.matvec(mv, self.x, st, norm=norm, eps=eps, x_out=x_out)]
+            ops: list[Op] = [lambda st: kmm.matvec(mv, self.x, st, norm=norm, eps=eps, x_out=x_out,
+                                                         q8=self.q8)]
             for m, out in mats:
                 if m.bias is not None:
                     ops.append(lambda st, m=m, out=out: kops.add_bias(out, m.bias, 1, st))
@@ -397,7 +403,7 @@ class GPUBackend:
         else:  # the last row only: the final norm fused into the head's matrix-vector launch
             xl = self.x[T - 1:T]
             cur.append(lambda st: kmm.matvec([(out.qtype, out.rows, self.logits, False)], xl, st,
-                                             norm=D["output_norm"], eps=eps))
+                                             norm=D["output_norm"], eps=eps, q8=self.q8))
         if tail == "sample":
             lrow = self.logits[0]
             cur.append(lambda st: self.sampler.launch(lrow, st))

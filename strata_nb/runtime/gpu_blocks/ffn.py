@@ -40,7 +40,7 @@ def moe(b: "GPUBackend", l: int, T: int) -> tuple[list["Op"], list["Op"], bool]:
         buf, lay = b.cache.bufs[l], b.cache.layouts[l]
         g, u, d = lay.mats["gate"], lay.mats["up"], lay.mats["down"]
         ops.append(lambda st: kmm.moe_gate_up((g.qtype, g.offset, g.row_bytes), (u.qtype, u.offset, u.row_bytes),
-                                              buf, g.rows, table, b.ids, b.xn, b.eh, T, st))
+                                              buf, g.rows, table, b.ids, b.xn, b.eh, T, st, q8=b.q8))
         ops.append(lambda st: kmm.moe_down((d.qtype, d.offset, d.row_bytes), buf, d.rows, table, b.ids,
                                            b.wts, b.eh, b.x, T, st))
     if shared:
