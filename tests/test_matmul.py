@@ -225,7 +225,7 @@ def test_drivers_compile_parallel(driver):
             fresh(True, ids, ids - 1, 1, 0, tally, tally, tally.astype(np.int64), plan_buffer(1, 1),
                   np.repeat(p, 3).reshape(3, 1), zero, -1, True, x, xq, xd, xs, xq, xd, xs,
                   np.zeros((3, 1, 32), np.float32), hq, hd, hs, np.zeros((1, K), np.float32), -1,
-                  np.ones((1, 1), np.float32), np.zeros((1, K), np.float32))
+                  np.ones((1, 1), np.float32), np.zeros((1, K), np.float32), 2)
 
 
 MOE_TYPES = [pytest.param(True, (Q8_0, Q8_0, Q8_0), id="fast-Q8_0"),
@@ -236,19 +236,21 @@ MOE_TYPES = [pytest.param(True, (Q8_0, Q8_0, Q8_0), id="fast-Q8_0"),
              pytest.param(False, (Q4_K, Q4_K, Q6_K), id="f32-Q4_K-Q6_K")]
 
 
+@pytest.mark.parametrize("ntok,nthreads", [(5, 2), (1, 1), (1, 2), (1, 15)], ids=lambda v: str(v))
 @pytest.mark.parametrize("fast,types", MOE_TYPES)
-def test_moe_ffn_matches_the_grouped_calls(fast, types):
+def test_moe_ffn_matches_the_grouped_calls(fast, types, ntok, nthreads):
     """moe_ffn (the routing split, x's int8 form, gate+up, SwiGLU + int8 quantization, down and the weighted
     combine in one call per wave) against the calls it replaces: ops.moe_split, actq.quantize, moe_matmul for
     gate, up and down, ops.swiglu_quant (ops.silu_mul on the float path) and ops.moe_combine. Bit-identical, for
     one call (x quantized before or inside) and for the split alone then the experts in three waves in another
-    order (as the tiered store hands them over), with negative ids skipped."""
+    order (as the tiered store hands them over), with negative ids skipped; for a prompt and for one token with
+    the task sizes of 1, 2 and 15 threads (32, 16 and 8 rows here)."""
     from strata_nb.cpu_kernels import ops
     from strata_nb.cpu_kernels.matmul import moe_ffn_for
 
     qg, qu, qd = types
-    hidden, ff, n_exp, ntok, k = 256, 512, 6, 5, 3
-    rng = np.random.default_rng(sum(types) + fast)
+    hidden, ff, n_exp, k = 256, 512, 6, 3
+    rng = np.random.default_rng(sum(types) + fast + ntok)
     mats = [[random_matrix(q, rows, cols, rng) for q, rows, cols in ((qg, ff, hidden), (qu, ff, hidden),
                                                                       (qd, hidden, ff))] for _ in range(n_exp)]
     flat = np.concatenate([m.reshape(-1) for e in mats for m in e])
@@ -256,7 +258,9 @@ def test_moe_ffn_matches_the_grouped_calls(fast, types):
     sizes = [m.size for e in mats for m in e]
     offs = np.concatenate([[0], np.cumsum(sizes)])[:-1].reshape(n_exp, 3) + flat.ctypes.data
     ids = np.array([rng.choice(n_exp, k, replace=False) for _ in range(ntok)], np.int32)
-    ids[1, 2] = ids[3, 0] = -1
+    ids[0 if ntok == 1 else 1, 2] = -1
+    if ntok > 3:
+        ids[3, 0] = -1
     wts = rng.uniform(0.1, 1.0, (ntok, k)).astype(np.float32)
     x = rng.standard_normal((ntok, hidden)).astype(np.float32)
     xq, xd, xs = quantize(x, group(qg))
@@ -289,7 +293,8 @@ def test_moe_ffn_matches_the_grouped_calls(fast, types):
     table = np.ascontiguousarray(offs.T)
     perm = rng.permutation(len(experts))
     no_slot = np.full(ids.shape, -1, np.int32)
-    for quant, waves in ((False, None), (True, None), (True, [perm[:2], perm[2:3], perm[3:]])):
+    waves3 = [perm[:2], perm[2:3], perm[3:]] if len(perm) > 3 else [perm[:1], perm[1:]]  # none of them empty
+    for quant, waves in ((False, None), (True, None), (True, waves3)):
         cap = n + 3
         plan = ops.plan_buffer(n_exp, cap)
         plan[:ops.PLAN_IDENT] = plan[ops.PLAN_IDENT + 1:] = 99  # stale contents
@@ -303,12 +308,12 @@ def test_moe_ffn_matches_the_grouped_calls(fast, types):
         got = got0.copy()
         split = (ids, no_slot, ntok, 0, *tallies, plan)
         if waves is None:  # one call: split, every group, combine
-            r = kern(True, *split, table, plan[ops.PLAN_IDENT], -1, quant, x, *qx, ghu, *hbuf, -1, wts, got)
+            r = kern(True, *split, table, plan[ops.PLAN_IDENT], -1, quant, x, *qx, ghu, *hbuf, -1, wts, got, nthreads)
         else:  # the split alone, then the waves as a tiered store hands them over
-            r = kern(True, *split, table, plan[ops.PLAN_IDENT], 0, quant, x, *qx, ghu, *hbuf, 0, wts, got)
+            r = kern(True, *split, table, plan[ops.PLAN_IDENT], 0, quant, x, *qx, ghu, *hbuf, 0, wts, got, nthreads)
             for i, grp in enumerate(waves):
                 kern(False, *split, table, grp, len(grp), quant and i == 0, x, *qx, ghu, *hbuf,
-                     nsplit if i == len(waves) - 1 else 0, wts, got)
+                     nsplit if i == len(waves) - 1 else 0, wts, got, nthreads)
         assert r == (nsplit, 0)
         np.testing.assert_array_equal(hbuf[-1][:n], y)
         np.testing.assert_array_equal(got, want)

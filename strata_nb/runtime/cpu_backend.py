@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from numba import get_num_threads
 
 from strata_nb.cpu_kernels import actq, ops
 from strata_nb.cpu_kernels.matmul import _is_float, dequant_rows, matmul_f32, matmul_q8, moe_ffn_for
@@ -177,13 +178,14 @@ class CPUBackend:
             self._plan = ops.plan_buffer(max(self.spec.n_expert, 1), ntok * ids.shape[1])
             self._ident = self._plan[ops.PLAN_IDENT]
         plan = self._plan
+        nt = get_num_threads()
         table = store.table(layer)
         if table is not None:  # every expert in RAM at fixed places: one call
             ngrp, hits = kern(True, ids, slot, ntok, layer, tally_a, store.counts, tally_c, plan, table, self._ident,
-                              -1, quant, x, *args, -1, wts, out)
+                              -1, quant, x, *args, -1, wts, out, nt)
         else:  # the store hands the experts over in waves as their bytes reach RAM
             ngrp, hits = kern(True, ids, slot, ntok, layer, tally_a, store.counts, tally_c, plan, self._wave_table,
-                              self._ident, 0, quant, x, *args, 0, wts, out)
+                              self._ident, 0, quant, x, *args, 0, wts, out, nt)
             experts = plan[ops.PLAN_EXPERT, :ngrp]
             table = self._wave_table
             done = 0
@@ -193,7 +195,7 @@ class CPUBackend:
                 first = done == 0
                 done += len(wave.groups)
                 kern(False, ids, slot, ntok, layer, tally_a, store.counts, tally_c, plan, table, wave.groups,
-                     len(wave.groups), quant and first, x, *args, ngrp if done == ngrp else 0, wts, out)
+                     len(wave.groups), quant and first, x, *args, ngrp if done == ngrp else 0, wts, out, nt)
         if store.tiered:
             v = ids[:ntok].ravel()
             store.routed(layer, *np.unique(v[v >= 0], return_counts=True))
