@@ -6,7 +6,8 @@
 # share, then the environment of that run), then hybrid_vs_llama.py on it with whatever time is left
 # (BENCH_ARGS=none: no benchmark; BENCH_IF_PASSED=1: none unless the tests passed); TRACE="1 0" runs
 # trace_decode.py at those shares before the probes (TRACE_ARGS passed on, e.g. --warmup-seed 1). PACK=1 packs the numba cache
-# into $OUT for the next call's .gpu/.
+# into $OUT for the next call's .gpu/. LAUNCH_PROBE=1 runs launch_probe.py; LLAMA_PACK=1 packs the llama.cpp build
+# into $OUT (after the traces).
 set -uo pipefail
 BUDGET=${CALL_BUDGET:-560}
 OUT=${OUT:-/tmp/gpu-out}
@@ -45,6 +46,13 @@ for sh in ${TRACE:-}; do  # TRACE="1 0": trace_decode.py at those VRAM shares (T
     ts "trace_decode share $sh ${TRACE_ARGS:-}"
     timeout -k 10 ${TRACE_S:-150} python3 bench/gpu/trace_decode.py -m "$UNI" --share "$sh" ${TRACE_ARGS:-} 2>&1 | grep -v -i warn | tee -a "$OUT/trace.log"
 done
+if [ "${LAUNCH_PROBE:-0}" = 1 ]; then  # graph launch host cost and gate latency (launch_probe.py)
+    ts "launch_probe"
+    timeout -k 10 ${LAUNCH_PROBE_S:-90} python3 bench/gpu/launch_probe.py 2>&1 | grep -v -i warn | tee "$OUT/launch_probe.log"
+fi
+if [ "${LLAMA_PACK:-0}" = 1 ]; then  # the llama.cpp build, for the next call's .gpu/
+    bash bench/gpu/build_llama.sh wait ${LLAMA_WAIT_S:-120} && bash bench/gpu/build_llama.sh pack "$OUT"
+fi
 for p in ${PROBES:-}; do
     share=${p%%:*}; envs=""; [ "$p" != "$share" ] && envs=$(echo "${p#*:}" | tr ':' ' ')
     ts "pool_probe share $share $envs"
