@@ -54,6 +54,35 @@ def _thread_safe_simulator_swap() -> None:
 
     sim_kernel.swapped_cuda_module = swapped_cuda_module
 
+    # cuda.shared.array looks up its block's allocation by call site and creates it when absent, unlocked: two
+    # threads that both miss get separate "shared" arrays, and one reads the other's never-written copy (seen as
+    # a garbage index in the sampler's block_max). One lock around the lookup makes the first creation win.
+    from numba.cuda.simulator import kernelapi
+
+    import sys
+
+    import numpy as np
+    from numba.core import types
+    from numba.np import numpy_support
+
+    alloc = kernelapi.FakeCUDAShared.array
+    alloc_lock = threading.Lock()
+
+    def shared_array(self, shape, dtype):
+        if shape == 0:  # dynamic shared memory: one buffer, no lookup
+            return alloc(self, shape, dtype)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        f = sys._getframe(1)
+        caller = (f.f_code.co_filename, f.f_lineno)  # the key the simulator uses: the calling line
+        with alloc_lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = self._allocations[caller] = np.empty(shape, dtype)
+        return res
+
+    kernelapi.FakeCUDAShared.array = shared_array
+
 
 _thread_safe_simulator_swap()
 

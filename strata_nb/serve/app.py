@@ -121,14 +121,19 @@ async def _complete(request: Request, svc, chat: bool):
 
 async def _whole(request: Request, reply: _Reply, head: dict, chat: bool) -> JSONResponse:
     parts: list[str] = []
+    loop = asyncio.get_running_loop()
+    check_at = loop.time() + DISCONNECT_POLL_S
     try:
         while True:
-            try:
-                kind, value = await asyncio.wait_for(reply.events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
+            # checked on a clock, not only when idle: tokens arriving faster than the poll would hide a gone client
+            if loop.time() >= check_at:
                 if await request.is_disconnected():
                     reply.job.cancel.set()
                     return JSONResponse({}, status_code=499)  # nobody reads it
+                check_at = loop.time() + DISCONNECT_POLL_S
+            try:
+                kind, value = await asyncio.wait_for(reply.events.get(), max(check_at - loop.time(), 0.0))
+            except asyncio.TimeoutError:
                 continue
             if kind == "text":
                 parts.append(value)
