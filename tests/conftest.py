@@ -13,22 +13,31 @@ if not Path("/dev/nvidiactl").exists():
 import pytest  # noqa: E402
 
 
-def _thread_safe_simulator_swap() -> None:
-    """numba's CUDA simulator runs a block's threads as Python threads, and on every device-function call it swaps
-    the `cuda` global of the function's module for its fake module, restoring it on return. Two threads inside
-    device functions of one module race: the first to return restores the real module while the other still reads
-    `cuda.threadIdx` (seen in CI: "module 'numba.cuda' has no attribute 'threadIdx'" in block_sum). Counting the
-    threads inside each module keeps the fake in place until the last one leaves."""
+def _thread_safe_simulator() -> None:
+    """numba's CUDA simulator runs a block's threads as Python threads, and two of its mechanisms race there.
+
+    1. On every device-function call it swaps the `cuda` global of the function's module for its fake module,
+       restoring it on return: the first thread to return restores the real module while another still reads
+       `cuda.threadIdx` (seen in CI: "module 'numba.cuda' has no attribute 'threadIdx'" in block_sum). Counting
+       the threads inside each module keeps the fake in place until the last one leaves.
+    2. cuda.shared.array looks up the block's allocation by call site and creates it when absent, unlocked: two
+       threads that both miss get separate "shared" arrays, and one reads the other's never-written copy (seen as
+       a garbage index in the sampler's block_max). A lock around the lookup makes the first creation win."""
+    import sys
     import threading
     from contextlib import contextmanager
 
+    import numpy as np
     from numba import config
+    from numba.core import types
+    from numba.np import numpy_support
 
     if not config.ENABLE_CUDASIM:
         return
     from numba.cuda.simulator import kernel as sim_kernel
+    from numba.cuda.simulator import kernelapi
 
-    lock = threading.Lock()
+    lock = threading.Lock()  # guards both shims' bookkeeping
     inside: dict[int, list] = {}  # id(module globals) -> [threads inside, original bindings]
 
     @contextmanager
@@ -54,19 +63,7 @@ def _thread_safe_simulator_swap() -> None:
 
     sim_kernel.swapped_cuda_module = swapped_cuda_module
 
-    # cuda.shared.array looks up its block's allocation by call site and creates it when absent, unlocked: two
-    # threads that both miss get separate "shared" arrays, and one reads the other's never-written copy (seen as
-    # a garbage index in the sampler's block_max). One lock around the lookup makes the first creation win.
-    from numba.cuda.simulator import kernelapi
-
-    import sys
-
-    import numpy as np
-    from numba.core import types
-    from numba.np import numpy_support
-
     alloc = kernelapi.FakeCUDAShared.array
-    alloc_lock = threading.Lock()
 
     def shared_array(self, shape, dtype):
         if shape == 0:  # dynamic shared memory: one buffer, no lookup
@@ -75,7 +72,7 @@ def _thread_safe_simulator_swap() -> None:
             dtype = numpy_support.as_dtype(dtype)
         f = sys._getframe(1)
         caller = (f.f_code.co_filename, f.f_lineno)  # the key the simulator uses: the calling line
-        with alloc_lock:
+        with lock:
             res = self._allocations.get(caller)
             if res is None:
                 res = self._allocations[caller] = np.empty(shape, dtype)
@@ -84,7 +81,7 @@ def _thread_safe_simulator_swap() -> None:
     kernelapi.FakeCUDAShared.array = shared_array
 
 
-_thread_safe_simulator_swap()
+_thread_safe_simulator()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
