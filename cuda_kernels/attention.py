@@ -12,8 +12,12 @@ round replaces them (or, for one test, emulated shuffles with block barriers: ev
 
 Decode splits the context into chunks of max(min_chunk, ceil(len / n_split)) keys (len read from pos0 on the device,
 so one captured graph serves every position); each block writes its chunk's partial (max, sum, unnormalized output)
-and a reduce kernel merges the live ones. Blocks of chunks past the length return at once: a short context costs
-a few chunks, not n_split of a few keys each.
+and the last block of a head group to finish (an atomic count) merges the live ones. Blocks of chunks past the
+length return at once: a short context costs a few chunks, not n_split of a few keys each. A decode launch is
+latency-bound (a warp per scheduler runs a ~900-instruction step per nk keys), so a block has 8 warps: on an H100
+(bench/gpu/kernel_probe.py) 19.6 / 24.9 / 64.8 us at 130 / 1,024 / 4,096 keys against 26.3 / 33.7 / 76.8 at 4 warps;
+16-key or 32-key chunks only paid below ~200 keys. A compact kernel that staged 32 keys in shared memory and scored
+them thread-per-(key, head) was 1.3-8x slower there (its serial per-thread loops), and was dropped.
 """
 from __future__ import annotations
 
@@ -22,16 +26,13 @@ import math
 import numpy as np
 from numba import config, cuda
 
-from strata_nb.cuda_kernels.block import block_max, block_sum
 from strata_nb.errors import StrataError
 
-_MAX_SPLIT = 1024  # the reduce kernel keeps one weight per chunk in shared memory
-# Keys per decode chunk at least: below that a block's fixed cost outweighs its keys (an H200 at Qwen3-30B-A3B shapes,
-# 4 kv heads, ~130 keys: the partial kernel took 9.5 us with 64-key chunks and 9.8 with 16-key ones, and the reduce
-# of the 4x more partials 0.9 us longer; bench/gpu/trace_decode.py)
+_MAX_SPLIT = 1024  # chunks of a decode launch at most
+# Keys per decode chunk at least: below that a block's fixed cost outweighs its keys. An H200 at Qwen3-30B-A3B
+# shapes, 4 kv heads, ~130 keys, took 9.5 us with 64-key chunks and 9.8 with 16-key ones (bench/gpu/trace_decode.py).
 MIN_CHUNK = 64
-_RT = 128  # threads of the reduce kernel on a GPU
-_GPU_WARPS = 4  # warps per attention block on a GPU
+_GPU_WARPS = 8  # warps per attention block on a GPU (kernel_probe.py: 4 warps took 1.2-1.4x as long)
 _SIM_WARPS = 1  # in the simulator (the butterfly test runs 2, to exercise the merge of warps there)
 # How the simulator sums a warp's dot products: "smem" (one shared-memory round, fast there) or "emul" (the GPU's
 # shuffle butterfly with shuffles emulated through shared memory: slow, a test runs it once on a tiny case).
@@ -41,9 +42,17 @@ _SIM_EXCHANGE = "smem"
 _BRANCH_FREE = True
 
 
-def decode_scratch_shapes(n_head: int, head_dim: int, n_split: int) -> tuple[tuple, tuple, tuple]:
-    """Shapes of attention_decode's scratch (part_m f32, part_l f32, part_o f32)."""
-    return (n_head, n_split), (n_head, n_split), (n_head, n_split, head_dim)
+def decode_scratch_shapes(n_head: int, head_dim: int, n_split: int) -> tuple[tuple, tuple, tuple, tuple]:
+    """Shapes of attention_decode's scratch (part_m f32, part_l f32, part_o f32, the head groups' counts of
+    finished blocks int32, zero between launches)."""
+    return (n_head, n_split), (n_head, n_split), (n_head, n_split, head_dim), (n_head,)
+
+
+def decode_scratch(n_head: int, head_dim: int, n_split: int) -> tuple:
+    """attention_decode's scratch as zeroed device arrays."""
+    dts = (np.float32, np.float32, np.float32, np.int32)
+    return tuple(cuda.to_device(np.zeros(sh, dt)) for sh, dt in zip(decode_scratch_shapes(n_head, head_dim, n_split),
+                                                                     dts))
 
 
 def choose_n_split(ctx: int, n_kv_head: int, n_sm: int = 132) -> int:
@@ -279,21 +288,23 @@ def _build(hd: int, gp: int, nw: int, exchange: str):
         return mx, tot
 
     @cuda.jit
-    def decode_partial(q, kc, vc, pos0, scale, part_m, part_l, part_o, n_split, grp, n_sub, min_chunk):
+    def decode_partial(q, kc, vc, pos0, scale, part_m, part_l, part_o, cnt, out, n_split, grp, n_sub, min_chunk):
         so = cuda.shared.array((gp, hd), np.float32)
         smw = cuda.shared.array((nw, gp), np.float32)
         slw = cuda.shared.array((nw, gp), np.float32)
         xb = cuda.shared.array(nt, np.float32)
         xs = cuda.shared.array(xs_shape, np.float32)
+        last = cuda.shared.array(1, np.int32)
         tid = cuda.threadIdx.x
         sc = np.float32(scale)
         n = pos0[0] + 1
         chunk = max(min_chunk, (n + n_split - 1) // n_split)
+        nl = (n + chunk - 1) // chunk  # live chunks (<= n_split)
         ntask = kc.shape[0] * n_sub * n_split
         for task in range(cuda.blockIdx.x, ntask, cuda.gridDim.x):
             c = task % n_split
             j0 = c * chunk
-            if j0 >= n:  # past the length (the same for the whole block): the reduce reads only live chunks
+            if j0 >= n:  # past the length (the same for the whole block): neither computed nor counted
                 continue
             gs = task // n_split
             g = gs // n_sub
@@ -310,6 +321,35 @@ def _build(hd: int, gp: int, nw: int, exchange: str):
                 h = idx // hd
                 d = idx - h * hd
                 part_o[hq0 + h, c, d] = so[h, d]
+            # The last block of the head group to finish merges its live chunks (a reduce launch of its own cost
+            # ~5 us a layer): each block fences its partials before counting itself, so the last one sees them all.
+            cuda.threadfence()
+            cuda.syncthreads()
+            if tid == 0:
+                last[0] = 1 if cuda.atomic.add(cnt, gs, 1) == nl - 1 else 0
+            cuda.syncthreads()
+            if last[0] == 1:
+                if tid == 0:
+                    cnt[gs] = 0  # zero for the next launch
+                cuda.threadfence()
+                for h in range(tid, nq, nt):
+                    mx = np.float32(-np.inf)
+                    for cc in range(nl):
+                        mx = max(mx, part_m[hq0 + h, cc])
+                    tot = np.float32(0.0)
+                    for cc in range(nl):
+                        tot += part_l[hq0 + h, cc] * np.float32(math.exp(part_m[hq0 + h, cc] - mx))
+                    smw[0, h] = mx
+                    slw[0, h] = tot
+                cuda.syncthreads()
+                for idx in range(tid, nq * hd, nt):
+                    h = idx // hd
+                    d = idx - h * hd
+                    mx = smw[0, h]
+                    acc = np.float32(0.0)
+                    for cc in range(nl):
+                        acc += part_o[hq0 + h, cc, d] * np.float32(math.exp(part_m[hq0 + h, cc] - mx))
+                    out[0, (hq0 + h) * hd + d] = acc / slw[0, h]
             cuda.syncthreads()
 
     @cuda.jit
@@ -341,37 +381,6 @@ def _build(hd: int, gp: int, nw: int, exchange: str):
     return decode_partial, prompt
 
 
-@cuda.jit(cache=True)
-def _decode_reduce_k(part_m, part_l, part_o, pos0, min_chunk, out):
-    """out = the merge of the live chunks' partials, a block per head (the chunks across its threads)."""
-    wt = cuda.shared.array(_MAX_SPLIT, np.float32)
-    red = cuda.shared.array(_RT, np.float32)
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    nh, ns, hd = part_o.shape
-    n = pos0[0] + 1
-    chunk = max(min_chunk, (n + ns - 1) // ns)
-    nl = min(ns, (n + chunk - 1) // chunk)
-    for h in range(cuda.blockIdx.x, nh, cuda.gridDim.x):
-        mx = -np.inf
-        for c in range(tid, nl, nt):
-            mx = max(mx, part_m[h, c])
-        mx = block_max(red, np.float32(mx))
-        tot = np.float32(0.0)
-        for c in range(tid, nl, nt):
-            mc = part_m[h, c]
-            e = np.float32(math.exp(mc - mx)) if mc > -np.inf else np.float32(0.0)
-            wt[c] = e
-            tot += part_l[h, c] * e
-        tot = block_sum(red, tot)  # its barriers also publish wt
-        for d in range(tid, hd, nt):
-            a = np.float32(0.0)
-            for c in range(nl):
-                a += part_o[h, c, d] * wt[c]
-            out[0, h * hd + d] = a / tot
-        cuda.syncthreads()
-
-
 # -- launch helpers ---------------------------------------------------------------------------------------------
 
 def _group(n_head: int, n_kv: int) -> tuple[int, int, int]:
@@ -383,26 +392,25 @@ def _group(n_head: int, n_kv: int) -> tuple[int, int, int]:
     return grp, gp, (grp + gp - 1) // gp
 
 
-def attention_decode(q, kc, vc, pos0, scale: float, out, part_m, part_l, part_o, n_split: int, stream,
+def attention_decode(q, kc, vc, pos0, scale: float, out, scratch, n_split: int, stream,
                      min_chunk: int = MIN_CHUNK) -> None:
     """One query token at position pos0[0] (sees cache 0..pos0[0]); q, out f32[1, H*hd]; kc, vc f16[Hkv, ctx, hd];
-    part_* shaped by decode_scratch_shapes(H, hd, n_split). n_split is fixed at capture; chunks hold at least
-    min_chunk keys."""
+    scratch: decode_scratch(H, hd, n_split). n_split is fixed at capture; chunks hold at least min_chunk keys."""
+    part_m, part_l, part_o, cnt = scratch
     n_kv, _, hd = kc.shape
     n_head = part_m.shape[0]
-    if not 0 < n_split <= _MAX_SPLIT or part_m.shape[1] != n_split or part_o.shape != (n_head, n_split, hd):
+    if not 0 < n_split <= _MAX_SPLIT or part_m.shape[1] != n_split or part_o.shape != (n_head, n_split, hd) \
+            or cnt.shape[0] < n_head:
         raise StrataError(f"attention_decode: scratch shapes {part_m.shape}/{part_o.shape} do not fit "
                           f"n_split={n_split} (at most {_MAX_SPLIT}), head_dim {hd}")
     grp, gp, n_sub = _group(n_head, n_kv)
     sim = bool(config.ENABLE_CUDASIM)
-    nw = _SIM_WARPS if sim else _GPU_WARPS
-    partial, _ = _kernels(hd, gp, nw, sim)
     ntask = n_kv * n_sub * n_split
     blocks = min(ntask, 2) if sim else ntask
-    partial[blocks, 32 * nw, stream](q, kc, vc, pos0, float(scale), part_m, part_l, part_o, n_split, grp, n_sub,
-                                     int(min_chunk))
-    rb, rt = (min(n_head, 2), 32) if sim else (n_head, _RT)
-    _decode_reduce_k[rb, rt, stream](part_m, part_l, part_o, pos0, int(min_chunk), out)
+    nw = _SIM_WARPS if sim else _GPU_WARPS
+    partial, _ = _kernels(hd, gp, nw, sim)
+    partial[blocks, 32 * nw, stream](q, kc, vc, pos0, float(scale), part_m, part_l, part_o, cnt, out, n_split, grp,
+                                     n_sub, int(min_chunk))
 
 
 def attention_prompt(q, kc, vc, pos0, scale: float, out, ntok: int, stream) -> None:

@@ -37,7 +37,7 @@ SIM = bool(config.ENABLE_CUDASIM)
 # GPU that way). Prompt: 4 warps a block, each 4 rows x 8 tokens (a unit is decoded once per 8 tokens; its 16
 # activations are loaded once for 4 rows). Simulator: one-lane warps, one warp a block, small tiles.
 MV_WARPS, MV_ROWS, MV_ROWS_SMALL = (1, 2, 2) if SIM else (4, 4, 2)
-MV_WARPS_WIDE = 1 if SIM else 8  # dense launches of long rows or few rows (see _mv_shape), and moe_down
+MV_WARPS_WIDE = 1 if SIM else 8  # dense launches of long rows (see _mv_shape), and moe_down
 # rows of a moe_down block, whose MV_WARPS_WIDE warps take different choices of those rows: on an H200 inside the
 # decode graph (bench/gpu/trace_decode.py, Qwen3-30B-A3B shapes, 8 choices of 2048 x 768 Q6_K) 15.4 us a launch at
 # 8 warps x 2 rows against 22.7 at 4 x 4 (a warp's choices ran one after the other)
@@ -176,6 +176,7 @@ def _dense_fn(types: tuple, k: int, rows: int, warps: int, norm: bool):
     ch, nch = _chunks(k)
     cu, nunits = ch // UNIT, k // UNIT
     nthr = warps * LANES
+    nper = -(-ch // nthr)  # staged elements a thread: a constant trip count, so the loads are issued together
 
     @cuda.jit(cache=True)
     def dense(x, nw, eps, xo, write_xo,
@@ -203,9 +204,10 @@ def _dense_fn(types: tuple, k: int, rows: int, warps: int, norm: bool):
         ss = _ZERO
         for c in range(nch):
             cuda.syncthreads()
-            for i in range(tid, ch, nthr):
+            for r in range(nper):
+                i = tid + r * nthr
                 j = c * ch + i
-                if j < k:
+                if i < ch and j < k:
                     v = x[0, _U(j)]
                     if norm:
                         ss += v * v
@@ -504,12 +506,16 @@ def _mv_rows(total_rows: int) -> int:
 
 def _mv_shape(k: int, total_rows: int) -> tuple[int, int]:
     """(warps a block, rows a warp) of a dense matrix-vector launch. A block first stages the row (k / threads
-    loads a thread, on the critical path), so long rows and launches too short to fill the GPU take 8 warps of
-    one row; the rest 4 warps of 2 rows, or 4 for huge launches (the head). Measured on an H200 at Qwen3-30B-A3B
-    shapes (bench/gpu/matvec_variants.py): K=4096 x 2048 rows 9.9 us at 8x1 vs 12.5 at 4x2 and 17.0 at 4x4;
-    128 rows 9.6 vs 10.7 / 17.2; 5120 rows of K=2048 12.7 at 4x2 vs 13.6 at 4x4 and 15.8 at 8x1."""
-    if k > 2048 or total_rows < 1024:
+    loads a thread, on the critical path), so long rows take 8 warps of one row, launches too short to fill the GPU
+    4 warps of one row (more blocks, each staging the row with its loads issued together), the rest 4 warps of 2
+    rows, or 4 for huge launches (the head). Measured on an H200 at Qwen3-30B-A3B shapes
+    (bench/gpu/matvec_variants.py): K=4096 x 2048 rows 9.9 us at 8x1 vs 12.5 at 4x2 and 17.0 at 4x4; 5120 rows of
+    K=2048 12.7 at 4x2 vs 13.6 at 4x4 and 15.8 at 8x1. The router (F32 128 x 2048 + its RMSNorm) on an H100
+    (bench/gpu/kernel_probe.py): 5.7 us at 4x1, 7.9 at 8x1, 10.3 at 2x1, 16.5 at 1x1."""
+    if k > 2048:
         return MV_WARPS_WIDE, 1
+    if total_rows < 1024:
+        return MV_WARPS, 1
     return MV_WARPS, (MV_ROWS if total_rows >= 32768 else MV_ROWS_SMALL)
 
 

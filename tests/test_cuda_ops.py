@@ -170,29 +170,29 @@ def _cache(seed: int, n_head: int, n_kv: int, hd: int, fill: int):
 ATT_SHAPES = [(H, HKV, HD), (6, 2, 40)]  # the second: a group of 3 (padded to 4) and a head_dim not a multiple of 32
 
 
-@pytest.mark.parametrize("min_chunk", [1, gatt.MIN_CHUNK])
+@pytest.mark.parametrize("min_chunk", [1, 64])
 @pytest.mark.parametrize("shape", ATT_SHAPES)
 def test_attention_decode(shape, min_chunk, stream) -> None:
     nh, nkv, hd = shape
     kc, vc = _cache(3, nh, nkv, hd, CTX)
     scale = 1.0 / math.sqrt(hd)
     n_split = 4
-    sm, sl, so = gatt.decode_scratch_shapes(nh, hd, n_split)
-    part_m, part_l, part_o = (cuda.device_array(s, np.float32) for s in (sm, sl, so))
+    scratch = gatt.decode_scratch(nh, hd, n_split)
     dkc, dvc = dev(kc), dev(vc)
     r = rng(4)
     pos_d = pos_dev(0)
-    # positions: a single key, fewer keys than chunks, chunk boundaries, the full cache; one graph-like setup
+    # positions: a single key, fewer keys than chunks, chunk boundaries, the full cache; one graph-like setup (the
+    # same scratch: the head groups' counts of finished blocks must be back at zero after every launch)
     for pos in (0, 2, 13, CTX - 1):
         q = r.standard_normal((1, nh * hd)).astype(np.float32)
         pos_d.copy_to_device(np.array([pos], np.int32))
         out = cuda.device_array((1, nh * hd), np.float32)
-        gatt.attention_decode(dev(q), dkc, dvc, pos_d, scale, out, part_m, part_l, part_o, n_split, stream,
-                              min_chunk)
+        gatt.attention_decode(dev(q), dkc, dvc, pos_d, scale, out, scratch, n_split, stream, min_chunk)
         want = np.empty((1, nh, hd), np.float32)
         cpu.attention(q.reshape(1, nh, hd), kc.astype(np.float32), vc.astype(np.float32), pos, np.float32(scale),
                       want)
         np.testing.assert_allclose(out.copy_to_host().reshape(1, nh, hd), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(scratch[3].copy_to_host(), 0)
 
 
 @pytest.mark.parametrize("shape", ATT_SHAPES[:1])
@@ -304,11 +304,10 @@ def test_attention_decode_shuffle_butterfly(monkeypatch, stream) -> None:
     kc, vc = _cache(11, nh, nkv, hd, 6)
     scale = 1.0 / math.sqrt(hd)
     n_split, pos = 2, 5
-    part_m, part_l, part_o = (cuda.device_array(s, np.float32) for s in gatt.decode_scratch_shapes(nh, hd, n_split))
+    scratch = gatt.decode_scratch(nh, hd, n_split)
     q = rng(12).standard_normal((1, nh * hd)).astype(np.float32)
     out = cuda.device_array((1, nh * hd), np.float32)
-    gatt.attention_decode(dev(q), dev(kc), dev(vc), pos_dev(pos), scale, out, part_m, part_l, part_o, n_split, stream,
-                          min_chunk=1)
+    gatt.attention_decode(dev(q), dev(kc), dev(vc), pos_dev(pos), scale, out, scratch, n_split, stream, min_chunk=1)
     want = np.empty((1, nh, hd), np.float32)
     cpu.attention(q.reshape(1, nh, hd), kc.astype(np.float32), vc.astype(np.float32), pos, np.float32(scale), want)
     np.testing.assert_allclose(out.copy_to_host().reshape(1, nh, hd), want, rtol=1e-5, atol=1e-5)

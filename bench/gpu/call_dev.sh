@@ -7,7 +7,8 @@
 # (BENCH_ARGS=none: no benchmark; BENCH_IF_PASSED=1: none unless the tests passed); TRACE="1 0" runs
 # trace_decode.py at those shares before the probes (TRACE_ARGS passed on, e.g. --warmup-seed 1). PACK=1 packs the numba cache
 # into $OUT for the next call's .gpu/. LAUNCH_PROBE=1 runs launch_probe.py; LLAMA_PACK=1 packs the llama.cpp build
-# into $OUT (after the traces).
+# into $OUT (after the traces). KERNEL_PROBE=1 runs kernel_probe.py (decode attention variants, small kernels) after
+# the tests.
 set -uo pipefail
 BUDGET=${CALL_BUDGET:-560}
 OUT=${OUT:-/tmp/gpu-out}
@@ -28,6 +29,10 @@ ts "pytest GPU files"
 timeout -s INT -k 20 ${PYTEST_S:-200} python3 -m pytest -q -p no:cacheprovider -rfE ${TESTS:-tests/test_cuda_ops.py tests/test_cuda_matmul.py tests/test_hybrid.py} >"$OUT/pytest.log" 2>&1
 rc=$?; ts "pytest rc $rc"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | tail -15
 if [ "${BENCH_IF_PASSED:-0}" = 1 ] && [ "$rc" != 0 ]; then echo "tests failed: no probes, no benchmark"; pack; exit 1; fi
+if [ "${KERNEL_PROBE:-0}" = 1 ]; then
+    ts "kernel_probe"
+    timeout -k 10 ${KERNEL_PROBE_S:-120} python3 bench/gpu/kernel_probe.py 2>&1 | grep -v -i warn | tee "$OUT/kernel_probe.log"
+fi
 if [ -n "${VARIANTS:-}" ]; then
     ts "matvec_variants $VARIANTS"
     timeout -k 10 ${VARIANTS_S:-150} python3 bench/gpu/matvec_variants.py --variants "$VARIANTS" --copies ${VARIANTS_COPIES:-1} 2>&1 | grep -v -i warn | tee "$OUT/variants.log"

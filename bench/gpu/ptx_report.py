@@ -97,7 +97,7 @@ def main() -> None:
         fn = M._dense_fn(((Q4_K, 4), (Q4_K, 4), (Q6_K, 2)), D, rows, warps, True)
         report(fn, (f32(1, D), f32(D), 1e-6, f32(1, D), 0, *m4, 1, *m4, 1, u8, u16, f16v, rb6, 8, f32(1, 8), 0),
                f"dense_{warps}x{rows}")
-    fr = M._dense_fn(((F32, 4),), D, 1, M.MV_WARPS_WIDE, True)
+    fr = M._dense_fn(((F32, 4),), D, 1, M._mv_shape(D, 128)[0], True)
     mr = (u8, u32, f16v, 4 * D, 128, f32(1, 128), 0)
     report(fr, (f32(1, D), f32(D), 1e-6, f32(1, D), 1, *mr, 1, *mr, 0, *mr), "router_norm")
     report(M._gate_up_fn((Q4_K, 4), (Q4_K, 4), D, M.MV_ROWS),
@@ -114,9 +114,7 @@ def main() -> None:
                              i32(1, 8), f32(1, 8), i32(1, 8), i32(1), i64, i64), "route_topk")
     part, _ = A._kernels(128, 8, A._GPU_WARPS, False)
     report(part, (f32(1, QD), f16(4, 64, 128), f16(4, 64, 128), i32(1), 0.1, f32(32, 64), f32(32, 64),
-                  f32(32, 64, 128), 64, 8, 1, 64), "attention_partial")
-    report(A._decode_reduce_k, (f32(32, 64), f32(32, 64), f32(32, 64, 128), i32(1), 64, f32(1, QD)),
-           "attention_reduce")
+                  f32(32, 64, 128), i32(32), f32(1, QD), 64, 8, 1, 64), "attention_decode")
     from strata_nb.cuda_kernels import prefetch as P
     report(P._touch_k, (u8, u32[:1]), "l2_touch")
     report(P._touch_slots_k, (u8, 100, 0, 50, i32(128), i32(1, 8), u32[:1]), "l2_touch_slots")

@@ -100,7 +100,7 @@ def scratch_bytes(spec: ModelSpec, ntok: int, n_ctx: int) -> int:
         dn = spec.deltanet
         per_tok += (2 * dn.conv_dim + 2 * dn.v_dim + 4 * dn.n_v_head) * 4
     n_split = katt.choose_n_split(n_ctx, spec.n_head_kv)
-    return ntok * per_tok + spec.n_head * n_split * (spec.head_dim + 2) * 4
+    return ntok * per_tok + spec.n_head * (n_split * (spec.head_dim + 2) + 1) * 4
 
 
 KV_TYPES = {"f16": np.float16, "f32": np.float32}  # the KV cache's element type on the device
@@ -239,7 +239,7 @@ class GPUBackend:
             self.fg, self.fu, self.fh = z(tm, s.n_ff), z(tm, s.n_ff), z(tm, s.n_ff)
         n_sm = 132 if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
         self.n_split = katt.choose_n_split(self.n_ctx, s.n_head_kv, n_sm)
-        self.parts = [z(*shape) for shape in katt.decode_scratch_shapes(s.n_head, s.head_dim, self.n_split)]
+        self.parts = katt.decode_scratch(s.n_head, s.head_dim, self.n_split)
         r = s.rope
         corr = r.corr_dims() if r.ext_factor else (0.0, 0.0)
         mult, self.mscale = kops.rope_mult(r.n_rot, r.base, r.freq_scale, r.ext_factor, corr[0], corr[1],

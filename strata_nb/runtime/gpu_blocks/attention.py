@@ -31,9 +31,7 @@ def attention(b: "GPUBackend", l: int, T: int) -> list["Op"]:
                                               b.pos, T, stream))
     scale = 1.0 / math.sqrt(s.head_dim)
     if T == 1:
-        pm, pl, po = b.parts
-        ops.append(lambda stream: katt.attention_decode(b.q, kc, vc, b.pos, scale, b.att, pm, pl, po, b.n_split,
-                                                        stream))
+        ops.append(lambda stream: katt.attention_decode(b.q, kc, vc, b.pos, scale, b.att, b.parts, b.n_split, stream))
     else:
         ops.append(lambda stream: katt.attention_prompt(b.q, kc, vc, b.pos, scale, b.att, T, stream))
     if gated:

@@ -1,0 +1,174 @@
+"""Time the decode attention kernels alone, and the small per-layer kernels, warm and after an L2 flush (GPU machine).
+
+    python3 bench/gpu/kernel_probe.py [--keys 130,1024,4096] [--reps 40]
+
+Qwen3-30B-A3B's attention shapes (32 query heads over 4 kv heads of 128 dims, float16 cache). Each case is a CUDA
+graph of `reps` launches replayed 5 times (median, per launch): "warm" back to back (code and data in L2), "cold"
+with a kernel that writes 160 MB between launches (L2 flushed: weights, KV rows and kernel code come from HBM, as
+in a decode token where ~30 MB of weights pass through L2 between one layer's launch of a kernel and the next),
+less the same graph of flushes alone. Attention variants: warps per block x the least keys per chunk (the
+engine's 8 x 64 first; outputs compared with its). Then QK-norm + rope + KV append, route top-k, the router's
+matrix-vector launch (F32 128 x 2048 with the RMSNorm fused) at several block shapes, and an empty kernel (the
+floor of a launch inside a graph), warm and cold.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+import numpy as np
+from numba import cuda
+
+from strata_nb.cpu_kernels.qtypes import F32 as GGML_F32
+from strata_nb.cuda_kernels import attention as A
+from strata_nb.cuda_kernels import matmul as M
+from strata_nb.cuda_kernels import ops as O
+from strata_nb.runtime.cuda_rt import SIM, Graph
+
+NH, NKV, HD = 32, 4, 128
+
+
+@cuda.jit
+def _empty(buf):
+    if cuda.grid(1) == 0:
+        buf[0] += np.float32(1.0)
+
+
+@cuda.jit
+def _flush(buf):
+    i, n = cuda.grid(1), buf.shape[0]
+    for j in range(i, n, cuda.gridsize(1)):
+        buf[j] += np.float32(1.0)
+
+
+def timed(fn, stream, reps: int, flush=None) -> float:
+    """us per call of fn(stream) inside a graph of `reps` calls (each after flush(stream) when given, less the
+    flushes' own time)."""
+    def body(st, with_fn):
+        for _ in range(reps):
+            if flush is not None:
+                flush(st)
+            if with_fn:
+                fn(st)
+
+    def replay(g) -> float:
+        ts = []
+        for _ in range(5):
+            e0, e1 = cuda.event(), cuda.event()
+            e0.record(stream)
+            g.launch(stream)
+            e1.record(stream)
+            e1.synchronize()
+            ts.append(0.0 if SIM else cuda.event_elapsed_time(e0, e1) * 1e3)
+        return statistics.median(ts)
+
+    fn(stream)  # compile outside the capture
+    stream.synchronize()
+    g = Graph(lambda st: body(st, True), stream, "probe")
+    t = replay(g)
+    g.close()
+    if flush is not None:
+        g0 = Graph(lambda st: body(st, False), stream, "flushes")
+        t -= replay(g0)
+        g0.close()
+    return t / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--keys", default="130,1024,4096")
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--flush-mb", type=int, default=160)
+    a = ap.parse_args()
+    stream = cuda.stream()
+    n_sm = 1 if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
+    rng = np.random.default_rng(0)
+    fbuf = cuda.to_device(np.zeros(a.flush_mb << 18, np.float32))
+    flush = lambda st: _flush[4 * n_sm, 512 if n_sm > 1 else 1, st](fbuf)  # noqa: E731
+    keys = [int(k) for k in a.keys.split(",")]
+    ctx = max(keys) + 128
+    kc = cuda.to_device((rng.standard_normal((NKV, ctx, HD)) * 2).astype(np.float16))
+    vc = cuda.to_device(rng.standard_normal((NKV, ctx, HD)).astype(np.float16))
+    q = cuda.to_device(rng.standard_normal((1, NH * HD)).astype(np.float32))
+    pos = cuda.to_device(np.zeros(1, np.int32))
+    scale = 1.0 / math.sqrt(HD)
+    print(f"decode attention, {NH} heads / {NKV} kv heads x {HD}, {n_sm} SMs, us per launch (median of 5 replays of "
+          f"{a.reps})")
+    print("| keys | variant | n_split | blocks | warm | cold | max rel diff vs the first |")
+    print("|---|---|---|---|---|---|---|")
+    engine_warps = A._GPU_WARPS
+    for n in keys:
+        pos.copy_to_device(np.array([n - 1], np.int32))
+        ref = None
+        for nw, mc in ((engine_warps, A.MIN_CHUNK), (4, 64), (4, 32), (8, 32), (8, 16)):
+            A._GPU_WARPS = nw  # (the simulator runs its own one warp)
+            want = max(1, (4 * n_sm) // NKV)
+            ns = int(max(1, min(A._MAX_SPLIT, want, -(-(n + 128) // mc))))
+            scratch = A.decode_scratch(NH, HD, ns)
+            out = cuda.to_device(np.zeros((1, NH * HD), np.float32))
+
+            def fn(st, scratch=scratch, out=out, ns=ns, mc=mc):
+                A.attention_decode(q, kc, vc, pos, scale, out, scratch, ns, st, mc)
+
+            warm = timed(fn, stream, a.reps)
+            cold = timed(fn, stream, a.reps, flush)
+            fn(stream)
+            got = out.copy_to_host()
+            if ref is None:
+                ref = got
+            diff = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
+            chunk = max(mc, -(-n // ns))
+            print(f"| {n} | {nw} warps, >= {mc} keys | {ns} | {NKV * ns} ({NKV * -(-n // chunk)} live) | {warm:.2f} | "
+                  f"{cold:.2f} | {diff:.2e} |")
+    A._GPU_WARPS = engine_warps
+
+    # QK-norm + rope + KV append, route top-k (128 experts, top 8)
+    qf = cuda.to_device(rng.standard_normal((1, NH * HD)).astype(np.float32))
+    kf = cuda.to_device(rng.standard_normal((1, NKV * HD)).astype(np.float32))
+    vf = cuda.to_device(rng.standard_normal((1, NKV * HD)).astype(np.float32))
+    nw = cuda.to_device(np.ones(HD, np.float32))
+    mult, msc = O.rope_mult(HD, 1e6, 1.0, 0.0, 0.0, 0.0, np.ones(HD // 2), 1.0)
+    md = cuda.to_device(np.ascontiguousarray(mult, np.float64))
+
+    def rope(st):
+        O.qk_rope_kv(qf, kf, vf, nw, nw, O.QK_HEAD, 1e-6, md, msc, True, HD, NH, NKV, HD, kc, vc, pos, 1, st)
+
+    logits = cuda.to_device(rng.standard_normal((1, 128)).astype(np.float32))
+    ids = cuda.to_device(np.zeros((1, 8), np.int32))
+    wts = cuda.to_device(np.zeros((1, 8), np.float32))
+
+    def topk(st):
+        O.route_topk(logits, 8, True, 1.0, ids, wts, 1, st)
+
+    # the router: F32 128 rows x 2048 with the RMSNorm fused, at forced block shapes (warps, rows a warp)
+    D, E = 2048, 128
+    rw = cuda.to_device(rng.standard_normal((E, D)).astype(np.float32).view(np.uint8))
+    xr = cuda.to_device(rng.standard_normal((1, D)).astype(np.float32))
+    nrm = cuda.to_device(np.ones(D, np.float32))
+    lo = cuda.to_device(np.zeros((1, E), np.float32))
+    shape0 = M._mv_shape
+
+    def router(shape):
+        def fn(st):
+            M._mv_shape = lambda k, total: shape
+            try:
+                M.matvec([(GGML_F32, rw, lo, False)], xr, st, norm=nrm, eps=1e-6)
+            finally:
+                M._mv_shape = shape0
+        return fn
+
+    ebuf = cuda.to_device(np.zeros(1, np.float32))
+    cases = [("QK-norm + rope + KV append", rope), ("route top-k", topk)]
+    cases += [(f"router F32 128 x 2048 + norm, {w} warps x {r} rows ({-(-E // (w * r))} blocks)", router((w, r)))
+              for w, r in (((1, 1), (1, 2)) if SIM else ((8, 1), (4, 1), (2, 1), (1, 1), (1, 2)))]
+    cases.append(("empty kernel (1 block)", lambda st: _empty[1, 32, st](ebuf)))
+    print()
+    print("| kernel | warm | cold |")
+    print("|---|---|---|")
+    for name, fn in cases:
+        print(f"| {name} | {timed(fn, stream, a.reps):.2f} | {timed(fn, stream, a.reps, flush):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
