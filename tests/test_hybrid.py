@@ -460,3 +460,47 @@ def test_choose_swaps_ranks_by_decayed_counts_with_hysteresis_and_a_budget():
     counts[7] = 3.0  # 3.0 <= 2.0 + 1: within the hysteresis
     assert choose_swaps(slot_expert, table, loading, counts, 8) == [(1, 4)]
     assert choose_swaps(np.full(4, -1, np.int64), np.full(8, -1, np.int32), loading, counts, 8) == []
+
+
+def test_plan_swaps_over_all_layers_matches_the_rule_by_sorting():
+    """The compiled step over every layer (decay, then each partly cached layer's swaps) against the rule stated
+    with stable sorts, on random layers with ties in the counts, loading experts and free slots."""
+    from strata_nb.cpu_kernels.swaps import plan_swaps
+
+    def by_sorting(se, table, loading, counts, budget):
+        res = np.flatnonzero(se >= 0)
+        cand = np.flatnonzero((table < 0) & ~loading & (counts > 0))
+        cand = cand[np.argsort(-counts[cand], kind="stable")]
+        cold = res[np.argsort(counts[se[res]], kind="stable")]
+        out = []
+        for e, s in zip(cand, cold):
+            if len(out) >= budget or counts[e] <= counts[se[s]] + 1.0:
+                break
+            out.append((int(s), int(e)))
+        return out
+
+    r = np.random.default_rng(3)
+    L, E, budget = 12, 64, 3
+    nslots = r.integers(0, E + 1, L)
+    nslots[[0, 1]] = [0, E]  # a layer without slots, and one holding every expert: never adapted
+    se2 = np.full((L, E), -1, np.int64)
+    table = np.full((L, E), -1, np.int32)
+    loading = np.zeros((L, E), bool)
+    for l in range(L):
+        ex = r.permutation(E)[:nslots[l]]
+        for s, e in enumerate(ex):
+            if r.random() < 0.1:
+                se2[l, s] = -2  # loading
+                loading[l, e] = True
+            elif r.random() < 0.9:
+                se2[l, s] = e
+                table[l, e] = s
+    counts = np.floor(r.random((L, E)) * 8) / 2  # coarse: many ties
+    want_counts = counts * 0.7
+    want = [(l, s, e) for l in range(L) if 0 < nslots[l] < E
+            for s, e in by_sorting(se2[l, :nslots[l]], table[l], loading[l], want_counts[l], budget)]
+    out = np.empty((L * budget, 3), np.int64)
+    n = plan_swaps(se2, nslots.astype(np.int64), table, loading, counts, 0.7, budget, out)
+    np.testing.assert_array_equal(counts, want_counts)
+    assert [tuple(x) for x in out[:n].tolist()] == want
+    assert len(want) > L  # the case exercises several swaps a layer

@@ -23,6 +23,7 @@ from typing import Callable
 import numpy as np
 from numba import cuda
 
+from strata_nb.cpu_kernels.swaps import layer_swaps, plan_swaps
 from strata_nb.errors import StrataError
 from strata_nb.experts.profile import RoutingProfile
 from strata_nb.experts.source import ExpertSource
@@ -34,22 +35,13 @@ _ALIGN = 256  # matrix offsets inside a slot: aligned for wide loads
 
 def choose_swaps(slot_expert: np.ndarray, table: np.ndarray, loading: np.ndarray, counts: np.ndarray,
                  budget: int) -> list[tuple[int, int]]:
-    """One layer's adaptation step: (slot, expert) pairs where the most-routed experts without a slot replace the
-    least-routed residents, while the newcomer's decayed count beats the resident's by more than one token
-    (hysteresis), at most `budget` of them. slot_expert i64[S] (-1 free, -2 loading), table i32[E] (slot or -1),
-    loading bool[E], counts f64[E]."""
-    res = np.flatnonzero(slot_expert >= 0)
-    cand = np.flatnonzero((table < 0) & ~loading & (counts > 0))
-    if len(res) == 0 or len(cand) == 0:
-        return []
-    cand = cand[np.argsort(-counts[cand], kind="stable")]
-    cold = res[np.argsort(counts[slot_expert[res]], kind="stable")]
-    out = []
-    for e, s in zip(cand, cold):
-        if len(out) >= budget or counts[e] <= counts[slot_expert[s]] + 1.0:
-            break
-        out.append((int(s), int(e)))
-    return out
+    """One layer's adaptation step (cpu_kernels.swaps.layer_swaps) as (slot, expert) pairs: the most-routed experts
+    without a slot replace the least-routed residents, while the newcomer's decayed count beats the resident's by
+    more than one token (hysteresis), at most `budget` of them. slot_expert i64[S] (-1 free, -2 loading), table
+    i32[E] (slot or -1), loading bool[E], counts f64[E]."""
+    out = np.empty((max(budget, 0), 3), np.int64)
+    n = layer_swaps(slot_expert, table, loading, counts, budget, 0, out, 0)
+    return [(int(s), int(e)) for _, s, e in out[:n]]
 
 
 @dataclass(frozen=True)
@@ -133,7 +125,14 @@ class VRAMCache:
                      for l, n in self.slots.items() if n > 0}
         self.host_table = np.full((n_layer, n_expert), -1, np.int32)
         self.table = cuda.to_device(self.host_table)
-        self.slot_expert = {l: np.full(n, -1, np.int64) for l, n in self.slots.items()}  # -1 free, -2 loading
+        # which expert each slot holds (-1 free, -2 loading): rows of one array for the compiled adaptation step,
+        # seen per layer through views
+        self._nslots = np.zeros(n_layer, np.int64)
+        for l, n in self.slots.items():
+            self._nslots[l] = n
+        self._slot_exp = np.full((n_layer, max(int(self._nslots.max(initial=0)), 1)), -1, np.int64)
+        self.slot_expert = {l: self._slot_exp[l, :n] for l, n in self.slots.items()}
+        self._swap_out = np.empty((n_layer * max(swaps_per_layer, 0), 3), np.int64)
         self.loading = np.zeros((n_layer, n_expert), bool)
         self.counts = np.zeros((n_layer, n_expert), np.float64)  # decayed routing counts
         self._tokens = 0
@@ -267,17 +266,15 @@ class VRAMCache:
         self._tokens += 1
         evicted = []
         if self.adapt_every > 0 and self._tokens % self.adapt_every == 0:
-            self.counts *= self.decay
             # A budget per layer: one shared by all layers went to the first ones (a 48-layer replay of a
             # recorded routing reached 82% of the best static placement with 32 swaps shared, 92% with 4 a layer).
             # 2 a layer: each swap is an expert gathered on the CPU and sent over PCIe while the pool works, and
             # bench/cache_replay.py gave up 1-2% of the best static placement for a third fewer swaps than 4.
-            for l, slots in self.slot_expert.items():
-                if 0 < len(slots) < self.n_expert:
-                    for s, e in choose_swaps(slots, self.host_table[l], self.loading[l], self.counts[l],
-                                             self.swaps_per_layer):
-                        self.host_table[l, slots[s]] = -1
-                        evicted.append((l, s, e))
+            n = plan_swaps(self._slot_exp, self._nslots, self.host_table, self.loading, self.counts, self.decay,
+                           self.swaps_per_layer, self._swap_out)
+            for l, s, e in self._swap_out[:n].tolist():
+                self.host_table[l, self._slot_exp[l, s]] = -1
+                evicted.append((l, s, e))
             changed = changed or bool(evicted)
         if changed:
             ev = self._upload(stream)
