@@ -61,6 +61,28 @@ def choose_n_split(ctx: int, n_kv_head: int, n_sm: int = 132) -> int:
     return int(max(1, min(_MAX_SPLIT, want, -(-ctx // MIN_CHUNK))))
 
 
+# -- the exponential ---------------------------------------------------------------------------------------------
+
+@cuda.jit(device=True)
+def _exp_exact(x):
+    return math.exp(x)
+
+
+if config.ENABLE_CUDASIM:
+    _exp_fast = _exp_exact
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def _exp_fast(x):
+        """exp by the SFU (ex2.approx: ~2 ulp near 0, where the weights that matter are): the accurate expf is
+        ~20 instructions, and the softmax's 3 exps per head and key were most of a decode step's ~900."""
+        return libdevice.fast_expf(x)
+
+
+_FAST_EXP = True  # the SFU's exp in the softmax and the merges; False: the accurate one (kernel_probe.py's A/B)
+
+
 # -- warp exchanges ---------------------------------------------------------------------------------------------
 
 @cuda.jit(device=True)
@@ -100,10 +122,10 @@ _KERNELS: dict = {}
 
 def _kernels(hd: int, gp: int, nw: int, sim: bool):
     exchange = _SIM_EXCHANGE if sim else "shfl"
-    key = (hd, gp, nw, exchange, _BRANCH_FREE)
+    key = (hd, gp, nw, exchange, _BRANCH_FREE, _FAST_EXP)
     ks = _KERNELS.get(key)
     if ks is None:
-        ks = _KERNELS[key] = _build(hd, gp, nw, exchange)
+        ks = _KERNELS[key] = _build(hd, gp, nw, exchange, _exp_fast if _FAST_EXP else _exp_exact)
     return ks
 
 
@@ -206,14 +228,14 @@ def _attend_source(hd: int, gp: int, nw: int, nk: int, exchange: str) -> str:
                 a(f"        if ok{k} and s{k} > mn:")
                 a(f"            mn = s{k}")
             a(f"        if mn > m[{h}]:  # rescale only when the max grows (rare after the first keys)")
-            a(f"            c = f32(math.exp(m[{h}] - mn))")
+            a(f"            c = f32(fexp(m[{h}] - mn))")
             a(f"            ls[{h}] *= c")
             for e in range(dpl):
                 a(f"            acc[{h * dpl + e}] *= c")
             a(f"            m[{h}] = mn")
             for k in range(nk):
                 a(f"        if ok{k}:")
-                a(f"            pr = f32(math.exp(s{k} - m[{h}]))")
+                a(f"            pr = f32(fexp(s{k} - m[{h}]))")
                 a(f"            ls[{h}] += pr")
                 for e in range(dpl):
                     a(f"            acc[{h * dpl + e}] += pr * va[{k * dpl + e}]")
@@ -224,10 +246,10 @@ def _attend_source(hd: int, gp: int, nw: int, nk: int, exchange: str) -> str:
                 a(f"        s{k} = sc[{k * gp + h}] * scale if ok{k} else ninf")
             a(f"        mn = max(m[{h}], {', '.join(f's{k}' for k in range(nk))})" if nk > 1 else
               f"        mn = max(m[{h}], s0)")
-            a(f"        c = f32(math.exp(m[{h}] - mn)) if mn > m[{h}] else one")
+            a(f"        c = f32(fexp(m[{h}] - mn)) if mn > m[{h}] else one")
             a(f"        m[{h}] = mn")
             for k in range(nk):
-                a(f"        p{k} = f32(math.exp(s{k} - mn)) if ok{k} else zero")
+                a(f"        p{k} = f32(fexp(s{k} - mn)) if ok{k} else zero")
             a(f"        ls[{h}] = ls[{h}] * c + {' + '.join(f'p{k}' for k in range(nk))}")
             for e in range(dpl):
                 i = h * dpl + e
@@ -246,7 +268,7 @@ def _attend_source(hd: int, gp: int, nw: int, nk: int, exchange: str) -> str:
         a(f"    mx = smw[0, {h}]")
         for r in range(1, nw):
             a(f"    mx = max(mx, smw[{r}, {h}])")
-        a(f"    f = f32(math.exp(m[{h}] - mx)) if m[{h}] > -np.inf else f32(0.0)")
+        a(f"    f = f32(fexp(m[{h}] - mx)) if m[{h}] > -np.inf else f32(0.0)")
         for e in range(dpl):
             a(f"    acc[{h * dpl + e}] *= f")
     a(f"    for r in range({nw}):")
@@ -263,13 +285,13 @@ def _attend_source(hd: int, gp: int, nw: int, nk: int, exchange: str) -> str:
     return "\n".join(o) + "\n"
 
 
-def _build(hd: int, gp: int, nw: int, exchange: str):
+def _build(hd: int, gp: int, nw: int, exchange: str, ex):
     nk = _keys_per_step(gp)
     nt = 32 * nw
     sim = exchange != "shfl"
     smem = exchange == "smem"
     xs_shape = (nw, 32, nk * gp) if smem else (1, 1, 1)
-    ns = {"cuda": cuda, "np": np, "math": math, "f32": np.float32,
+    ns = {"cuda": cuda, "np": np, "fexp": ex, "f32": np.float32,
           "xor": _xor_sim if sim else _xor_gpu, "bcast": _bcast_sim if sim else _bcast_gpu}
     exec(compile(_attend_source(hd, gp, nw, nk, exchange), f"<attention hd={hd} gp={gp} nw={nw}>", "exec"), ns)
     attend = cuda.jit(device=True)(ns["attend"])
@@ -284,7 +306,7 @@ def _build(hd: int, gp: int, nw: int, exchange: str):
         if mx > -np.inf:
             for r in range(nw):
                 if smw[r, h] > -np.inf:
-                    tot += slw[r, h] * np.float32(math.exp(smw[r, h] - mx))
+                    tot += slw[r, h] * ex(smw[r, h] - mx)
         return mx, tot
 
     @cuda.jit
@@ -332,24 +354,24 @@ def _build(hd: int, gp: int, nw: int, exchange: str):
                 if tid == 0:
                     cnt[gs] = 0  # zero for the next launch
                 cuda.threadfence()
-                for h in range(tid, nq, nt):
+                for h in range(tid, nq, nt):  # each live chunk's share of the output, in place of its max
                     mx = np.float32(-np.inf)
                     for cc in range(nl):
                         mx = max(mx, part_m[hq0 + h, cc])
                     tot = np.float32(0.0)
                     for cc in range(nl):
-                        tot += part_l[hq0 + h, cc] * np.float32(math.exp(part_m[hq0 + h, cc] - mx))
-                    smw[0, h] = mx
-                    slw[0, h] = tot
+                        tot += part_l[hq0 + h, cc] * ex(part_m[hq0 + h, cc] - mx)
+                    inv = np.float32(1.0) / tot
+                    for cc in range(nl):
+                        part_m[hq0 + h, cc] = ex(part_m[hq0 + h, cc] - mx) * inv
                 cuda.syncthreads()
                 for idx in range(tid, nq * hd, nt):
                     h = idx // hd
                     d = idx - h * hd
-                    mx = smw[0, h]
                     acc = np.float32(0.0)
                     for cc in range(nl):
-                        acc += part_o[hq0 + h, cc, d] * np.float32(math.exp(part_m[hq0 + h, cc] - mx))
-                    out[0, (hq0 + h) * hd + d] = acc / slw[0, h]
+                        acc += part_o[hq0 + h, cc, d] * part_m[hq0 + h, cc]
+                    out[0, (hq0 + h) * hd + d] = acc
             cuda.syncthreads()
 
     @cuda.jit

@@ -12,8 +12,9 @@ shuffles. Rows longer than MV_CHUNK elements are staged in chunks. Fusions, each
   gate and up), with the RMSNorm of the row fused (and the normalized row written out once for later kernels);
 - gate_up: an expert's gate and up rows by the same warp, SwiGLU in the epilogue;
 - down: a token's resident experts' down rows, weighted by the router and added to the residual stream.
-Prompt (ntok > 1, dense): a warp takes tiles of R rows x TT tokens: a lane decodes each of its units once per tile
-into R x 16 weights in registers and applies them to the TT tokens.
+Prompt (ntok > 1): a warp takes tiles of R rows x TT tokens: a lane decodes each of its units once per tile into
+R x 16 weights in registers and applies them to the TT tokens. The experts' matrices take the same tiles over a
+chunk's choices grouped by expert (ops.group_experts: a tile is up to TT choices of one expert).
 The simulator has no shuffles (and a simulated thread is a Python thread): there a "warp" is one lane (LANES ==
 1) that walks all units of its rows.
 Launch helpers never allocate, copy or synchronize and take every shape as a Python int fixed at capture.
@@ -363,13 +364,46 @@ def _down_fn(td: tuple, k: int, rows: int):
     return down
 
 
+def _tile_unit_fn(qtype: int, word: int):
+    """tile_unit(w8, wv, wh, base, rb, u, r0, nrows, x, xrows, nj, q, s, mn, w, xv, acc): one unit u of the rows
+    r0..r0+TILE_ROWS-1 (clamped to nrows - 1; the caller drops their sums) of the matrix at byte base, decoded once
+    into w, against the rows xrows[j] of the activations x (uint64 pairs) for j < nj <= TILE_TOKS, added into
+    acc[o * TILE_TOKS + j]. The body of the prompt kernels, dense and grouped by expert (memoized)."""
+    key = ("tile_unit", qtype, word)
+    if key in _KERNELS:
+        return _KERNELS[key]
+    lay = LAYOUTS[qtype]
+    unit, pos = lay.unit, lay.pos
+    rows, toks = TILE_ROWS, TILE_TOKS
+
+    @cuda.jit(**_DEV)
+    def tile_unit(w8, wv, wh, base, rb, u, r0, nrows, x, xrows, nj, q, s, mn, w, xv, acc):
+        for o in range(rows):
+            r = r0 + o if r0 + o < nrows else nrows - 1
+            unit(w8, wv, wh, word, base + r * rb, u, q, s, mn)
+            for i in range(4):
+                for e in range(4):
+                    w[UNIT * o + 4 * i + e] = s[i] * q[4 * i + e] - mn[i]
+        for j in range(toks):
+            if j < nj:
+                for i in range(4):
+                    _load_run(x, xrows[j], pos(u, i), xv, 4 * i)
+                for o in range(rows):
+                    a = acc[o * toks + j]
+                    for c in range(UNIT):
+                        a += w[UNIT * o + c] * xv[c]
+                    acc[o * toks + j] = a
+
+    _KERNELS[key] = tile_unit
+    return tile_unit
+
+
 def _tiled_fn(qtype: int, word: int):
     """The prompt kernel of one quant type and word size (memoized)."""
     key = ("tile", qtype, word)
     if key in _KERNELS:
         return _KERNELS[key]
-    lay = LAYOUTS[qtype]
-    unit, pos = lay.unit, lay.pos
+    tile_unit = _tile_unit_fn(qtype, word)
     rows, toks, warps = TILE_ROWS, TILE_TOKS, TILE_WARPS
     wlen, alen = rows * UNIT, rows * toks  # local array sizes must be compile-time constants
 
@@ -383,32 +417,22 @@ def _tiled_fn(qtype: int, word: int):
         w = cuda.local.array(wlen, float32)
         xv = cuda.local.array(UNIT, float32)
         acc = cuda.local.array(alen, float32)
+        xrows = cuda.local.array(toks, np.int64)
         lane = cuda.threadIdx.x & LANE_MASK
         ngroups = (nrows + rows - 1) // rows
         ntt = (ntok + toks - 1) // toks
         gw = cuda.blockIdx.x * warps + (cuda.threadIdx.x >> WARP_SHIFT)
         for tt in range(cuda.blockIdx.y, ntt, cuda.gridDim.y):
             t0 = tt * toks
+            nj = min(toks, ntok - t0)
+            for j in range(toks):
+                xrows[j] = t0 + j
             for g in range(gw, ngroups, cuda.gridDim.x * warps):
                 r0 = g * rows
                 for c in range(alen):
                     acc[c] = _ZERO
                 for u in range(lane, nunits, LANES):
-                    for o in range(rows):  # rows past the end are clamped; their sums are not stored
-                        r = r0 + o if r0 + o < nrows else nrows - 1
-                        unit(w8, wv, wh, word, r * rb, u, q, s, mn)
-                        for i in range(4):
-                            for e in range(4):
-                                w[UNIT * o + 4 * i + e] = s[i] * q[4 * i + e] - mn[i]
-                    for j in range(toks):
-                        if t0 + j < ntok:
-                            for i in range(4):
-                                _load_run(x, t0 + j, pos(u, i), xv, 4 * i)
-                            for o in range(rows):
-                                a = acc[o * toks + j]
-                                for c in range(UNIT):
-                                    a += w[UNIT * o + c] * xv[c]
-                                acc[o * toks + j] = a
+                    tile_unit(w8, wv, wh, 0, rb, u, r0, nrows, x, xrows, nj, q, s, mn, w, xv, acc)
                 _warp_reduce(acc, alen, sh)
                 if lane == 0:
                     for c in range(alen):
@@ -422,6 +446,54 @@ def _tiled_fn(qtype: int, word: int):
 
     _KERNELS[key] = tiled
     return tiled
+
+
+def _tiled_experts_fn(qtype: int, word: int):
+    """The prompt kernel of one expert matrix type over the entries grouped by expert (memoized)."""
+    key = ("tile_experts", qtype, word)
+    if key in _KERNELS:
+        return _KERNELS[key]
+    tile_unit = _tile_unit_fn(qtype, word)
+    rows, toks, warps = TILE_ROWS, TILE_TOKS, TILE_WARPS
+    wlen, alen = rows * UNIT, rows * toks
+
+    @cuda.jit(cache=True)
+    def tiled_experts(w8, wv, wh, slot_bytes, off, rb, nunits, nrows, tiles, ntiles, order, div, x, out):
+        """Tile i < ntiles[0] is (slot, start, count): out[e] = W_slot . x[e // div] for its entries e in
+        order[start:start + count] (count <= toks); a warp takes `rows` rows of one tile at a time."""
+        sh = cuda.shared.array(_SH, float32)
+        q = cuda.local.array(UNIT, float32)
+        s = cuda.local.array(4, float32)
+        mn = cuda.local.array(4, float32)
+        w = cuda.local.array(wlen, float32)
+        xv = cuda.local.array(UNIT, float32)
+        acc = cuda.local.array(alen, float32)
+        xrows = cuda.local.array(toks, np.int64)
+        lane = cuda.threadIdx.x & LANE_MASK
+        ngroups = (nrows + rows - 1) // rows
+        gw = cuda.blockIdx.x * warps + (cuda.threadIdx.x >> WARP_SHIFT)
+        for tt in range(cuda.blockIdx.y, ntiles[0], cuda.gridDim.y):
+            base = tiles[_U(tt), 0] * slot_bytes + off
+            j0 = tiles[_U(tt), 1]
+            nj = tiles[_U(tt), 2]
+            for j in range(toks):
+                xrows[j] = order[_U(j0 + min(j, nj - 1))] // div
+            for g in range(gw, ngroups, cuda.gridDim.x * warps):
+                r0 = g * rows
+                for c in range(alen):
+                    acc[c] = _ZERO
+                for u in range(lane, nunits, LANES):
+                    tile_unit(w8, wv, wh, base, rb, u, r0, nrows, x, xrows, nj, q, s, mn, w, xv, acc)
+                _warp_reduce(acc, alen, sh)
+                if lane == 0:
+                    for c in range(alen):
+                        r = r0 + c // toks
+                        j = c % toks
+                        if r < nrows and j < nj:
+                            out[_U(order[_U(j0 + j)]), _U(r)] = acc[c]
+
+    _KERNELS[key] = tiled_experts
+    return tiled_experts
 
 
 def _embed_fn(qtype: int, word: int):
@@ -636,6 +708,23 @@ def moe_gate_up(gate, up, slots, nrows: int, slot_of, ids, x, h, ntok: int, stre
         fn = _gate_up_fn((qg, wdg), (qu, wdu), k, rows)
     fn[grid, LANES * MV_WARPS, stream](
         w8g, wvg, whg, w8u, wvu, whu, slots.shape[1], og, ou, rbg, rbu, nrows, slot_of, ids, x, h, ntok)
+
+
+def moe_tiled(mat, slots, nrows: int, grouping, x, div: int, out, stream) -> None:
+    """The prompt form of the expert matrices: out[e] = M_s . x[e // div] for every entry e that
+    ops.group_experts grouped (by expert, s its slot), with the dense prompt kernel's tiles, so a chunk reads each
+    expert's rows once per TILE_TOKS of its entries instead of once per entry. mat: (qtype, byte offset in a slot,
+    row bytes) of the nrows x K matrix; slots u8[n_slots, slot_bytes]; grouping: (order, tiles, ntiles, max tiles)
+    of group_experts; x f32[rows, K] (div = k: token rows; 1: entry rows); out f32[entries, nrows]."""
+    qt, off, rb = mat
+    k = _row_elems(qt, rb)
+    w8, wv, wh, word = _slot_views(slots, qt, off, nrows, rb)
+    order, tiles, ntiles, max_tiles = grouping
+    if x.shape[1] != k or out.shape[1] != nrows:
+        raise StrataError(f"GPU experts: x {x.shape} / out {out.shape} do not fit a {nrows} x {k} matrix")
+    grid = (min(-(-nrows // (TILE_ROWS * TILE_WARPS)), MAX_GRID_X), min(max_tiles, MAX_GRID_Y))
+    _tiled_experts_fn(qt, word)[grid, LANES * TILE_WARPS, stream](w8, wv, wh, slots.shape[1], off, rb, k // UNIT,
+                                                                   nrows, tiles, ntiles, order, div, _pairs(x), out)
 
 
 def moe_down(down, slots, nrows: int, slot_of, ids, wts, h, out, ntok: int, stream) -> None:

@@ -259,12 +259,29 @@ def qk_rope_kv(q, k, v, q_norm, k_norm, mode: int, eps: float, mult, mscale: flo
 
 # -- routing --------------------------------------------------------------------------------------------------------
 
+@cuda.jit(device=True)
+def _lane_best(p, lane, ne):
+    """The largest of this lane's probabilities p[lane::lanes] still in play (taken ones are -2), ties to the lower
+    id; (-1, ne) when none is left."""
+    bv = np.float32(-1.0)
+    bi = ne
+    for e in range(lane, ne, _QK_LANES):  # ascending ids: a tie keeps the lower one
+        if p[e] > bv:
+            bv = p[e]
+            bi = e
+    return bv, bi
+
+
 @cuda.jit(cache=True)
 def _route_topk_k(logits, k, renorm, scale, ids, wts, ntok, pub, x, slot_of, mb_x, mb_ids, mb_wts, mb_slot, done,
                   counter, mb_seq):
-    # Warp 0 routes (softmax by shuffles, then k rounds of a warp argmax: no block barrier on the critical path);
-    # the other warps copy the MoE input row to the mailbox meanwhile.
+    # Warp 0 routes: softmax by shuffles, then k rounds of a warp argmax over the lanes' own best. Each lane owns
+    # the experts e = lane mod 32 and keeps its best in registers; after a round only the winner's lane rescans
+    # its experts, and the choices wait in shared memory (no global round trip) for the scaled write at the end.
+    # The other warps copy the MoE input row to the mailbox meanwhile.
     p = cuda.shared.array(_MAX_EXPERTS, np.float32)
+    cv = cuda.shared.array(_MAX_EXPERTS, np.float32)
+    ci = cuda.shared.array(_MAX_EXPERTS, np.int32)
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     lane = tid & (_QK_LANES - 1)
@@ -287,35 +304,32 @@ def _route_topk_k(logits, k, renorm, scale, ids, wts, ntok, pub, x, slot_of, mb_
             tot = _warp_sum(s)
             for e in range(lane, ne, _QK_LANES):
                 p[e] = p[e] / tot
-            _syncwarp()
+            bv, bi = _lane_best(p, lane, ne)
             wsum = np.float32(0.0)
             for j in range(k):  # the j-th largest probability (ties to the lower id), then taken out
-                bv = np.float32(-1.0)
-                bi = ne
-                for e in range(lane, ne, _QK_LANES):  # ascending ids: a tie keeps the lower one
-                    if p[e] > bv:
-                        bv = p[e]
-                        bi = e
-                bv, bi = _warp_best(bv, bi)
-                bi = min(bi, ne - 1)  # a row of NaNs picks nothing: stay in range
-                wsum += bv
+                v, i = _warp_best(bv, bi)
+                i = min(i, ne - 1)  # a row of NaNs picks nothing: stay in range
+                wsum += v
                 if lane == 0:
-                    ids[t, j] = bi
-                    wts[t, j] = bv
-                    p[bi] = np.float32(-2.0)
-                _syncwarp()
+                    cv[j] = v
+                    ci[j] = i
+                if (i & (_QK_LANES - 1)) == lane:  # the winner's lane: out of play, and its next best
+                    p[i] = np.float32(-2.0)
+                    bv, bi = _lane_best(p, lane, ne)
+            _syncwarp()
             for j in range(lane, k, _QK_LANES):
-                wj = wts[t, j]
+                wj = cv[j]
                 if renorm:
                     wj = wj / wsum
-                wts[t, j] = wj * sc
-            _syncwarp()
-            if pub:  # the host's copy: the choices and each choice's VRAM slot (-1: the CPU's)
-                for j in range(lane, k, _QK_LANES):
-                    e = ids[t, j]
+                wj = wj * sc
+                e = ci[j]
+                ids[t, j] = e
+                wts[t, j] = wj
+                if pub:  # the host's copy: the choices and each choice's VRAM slot (-1: the CPU's)
                     mb_ids[t, j] = e
-                    mb_wts[t, j] = wts[t, j]
+                    mb_wts[t, j] = wj
                     mb_slot[t, j] = slot_of[e]
+            _syncwarp()
         cuda.syncthreads()
     if pub:  # the last block to finish rings: counter += 1, written to the host after every block's rows
         cuda.threadfence_system()
@@ -350,6 +364,90 @@ def route_topk(logits, k: int, renorm: bool, scale: float, ids, wts, ntok: int, 
         x, slot_of, mb, done, counter = publish
         pub = (1, x, slot_of, mb["x"], mb["ids"], mb["wts"], mb["slot"], done, counter, mb["seq"])
     _route_topk_k[b, t, stream](logits, k, bool(renorm), float(scale), ids, wts, ntok, *pub)
+
+
+# -- the MoE of a prompt chunk grouped by expert --------------------------------------------------------------------
+
+_GROUP_THREADS = 32 if _sim() else 1024
+
+
+def group_tiles_bound(n_entries: int, n_expert: int, toks: int) -> int:
+    """Rows of group_experts' tile table at most: every expert's last tile may be partial."""
+    return n_entries // toks + n_expert + 1
+
+
+@cuda.jit(cache=True)
+def _group_k(ids, slot_of, ntok, toks, order, tiles, ntiles):
+    c = cuda.shared.array(_MAX_EXPERTS, np.int32)  # entries per expert, then the fill position
+    st = cuda.shared.array(_MAX_EXPERTS, np.int32)  # the expert's first entry in order
+    ts = cuda.shared.array(_MAX_EXPERTS, np.int32)  # the expert's first tile
+    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    ne, k = slot_of.shape[0], ids.shape[1]
+    n = ntok * k
+    for e in range(tid, ne, nt):
+        c[e] = 0
+    cuda.syncthreads()
+    for i in range(tid, n, nt):
+        e = ids[i // k, i % k]
+        if slot_of[e] >= 0:
+            cuda.atomic.add(c, e, 1)
+    cuda.syncthreads()
+    if tid == 0:  # a few hundred experts: a serial scan is a few microseconds
+        a = 0
+        b = 0
+        for e in range(ne):
+            st[e] = a
+            ts[e] = b
+            a += c[e]
+            b += (c[e] + toks - 1) // toks
+        ntiles[0] = b
+    cuda.syncthreads()
+    for e in range(tid, ne, nt):
+        m = c[e]
+        for q in range((m + toks - 1) // toks):
+            tiles[ts[e] + q, 0] = slot_of[e]
+            tiles[ts[e] + q, 1] = st[e] + q * toks
+            tiles[ts[e] + q, 2] = min(toks, m - q * toks)
+        c[e] = 0
+    cuda.syncthreads()
+    for i in range(tid, n, nt):  # an expert's entries in any order: each entry's sums do not depend on it
+        e = ids[i // k, i % k]
+        if slot_of[e] >= 0:
+            order[st[e] + cuda.atomic.add(c, e, 1)] = i
+
+
+def group_experts(ids, slot_of, ntok: int, toks: int, order, tiles, ntiles, stream) -> None:
+    """The entries i = t*k + j (t < ntok) whose expert ids[t, j] has a VRAM slot (slot_of >= 0), grouped by expert
+    into `order` (int32[>= ntok*k]); tiles int32[>= group_tiles_bound, 3]: per tile of at most `toks` entries of
+    one expert (slot, first index into order, count); ntiles int32[1] the number of tiles. One block."""
+    if slot_of.shape[0] > _MAX_EXPERTS:
+        raise StrataError(f"group_experts: {slot_of.shape[0]} experts (at most {_MAX_EXPERTS})")
+    if ntok <= 0:
+        return
+    _group_k[1, _GROUP_THREADS, stream](ids, slot_of, ntok, toks, order, tiles, ntiles)
+
+
+@cuda.jit(cache=True)
+def _experts_combine_k(y, ids, wts, slot_of, out, ntok):
+    d, k = out.shape[1], ids.shape[1]
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    for idx in range(start, ntok * d, stride):
+        t = idx // d
+        r = idx - t * d
+        acc = np.float32(0.0)
+        for j in range(k):
+            if slot_of[ids[t, j]] >= 0:
+                acc += wts[t, j] * y[t * k + j, r]
+        out[t, r] += acc
+
+
+def experts_combine(y, ids, wts, slot_of, out, ntok: int, stream) -> None:
+    """out[t] += sum over j (in order) of wts[t, j] * y[t*k + j] over the choices with a VRAM slot: the grouped
+    experts' down outputs y f32[>= ntok*k, D] into the residual stream out f32[>= ntok, D]."""
+    if ntok <= 0:
+        return
+    b, t = _launch_1d(ntok * out.shape[1])
+    _experts_combine_k[b, t, stream](y, ids, wts, slot_of, out, ntok)
 
 
 # -- elementwise ----------------------------------------------------------------------------------------------------

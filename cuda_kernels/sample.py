@@ -1,18 +1,19 @@
-"""Token sampling on the device: the chain of strata_nb/runtime/sampler.py in one block, captured in a CUDA graph.
+"""Token sampling on the device: the chain of strata_nb/runtime/sampler.py in three launches (two over the grid, one
+block), captured in a CUDA graph.
 
 Chain: repetition penalty -> top-k -> top-p -> min-p -> temperature -> inverse-CDF draw over the kept candidates
 ordered by penalized logit descending, equal logits by id ascending; temperature <= 0 is the argmax (lowest id).
 The draw uses uniform(seed, step), the same counter-based generator (splitmix64) as the host Sampler, so equal logits
-give equal tokens on both. Config, seed, step, the history ring and the penalty counts live in device arrays; one
+give equal tokens on both. Config, seed, step, the history ring and the penalty counts live in device arrays; the last
 launch samples, writes the token to a device int32[1] and a mapped host int32[1], and advances step and history.
 
 Order without sorting the vocabulary: each logit maps to an unsigned key that orders like the float (-0.0 folded
-into +0.0), and d = key(max) - key(v) >= 0 measures how far below the max it is. One block of threads (1024 on a
-GPU) makes passes over the vocabulary:
-  1. the max (and the argmax, ties to the lower id: all that greedy needs);
+into +0.0), and d = key(max) - key(v) >= 0 measures how far below the max it is. Two pre-passes spread over the grid
+(pre_max_k, pre_hist_k) and then one block of threads (1024 on a GPU) make passes over the vocabulary:
+  1. the max (and the argmax, ties to the lower id: all that greedy needs), per block of the grid, then reduced;
   2. a histogram of d in 1024 log-spaced buckets (exact below 32, then 32 per octave: resolution 1/32 of the
      distance to the max, fine near the top where the candidates are), and, for top-p without top-k, the float64
-     normalizer sum(exp(v - max));
+     normalizer sum(exp(v - max)) (per block of the grid, summed in a fixed order);
   3. fast path: from the histogram, the bucket where the top-k count / min-p threshold is reached (for top-p
      without top-k: the first `cap` candidates) bounds a prefix of the order; if it holds at most `cap` (1024)
      candidates, they are gathered, sorted (bitonic, shared memory) and everything else runs on that sorted list
@@ -40,6 +41,10 @@ MAX_THREADS = 1024  # the reduction buffers hold one value per thread
 GPU_THREADS = 1024  # block size on a GPU (registers capped at 64 so that 1024 threads fit on an SM)
 I31 = (1 << 31) - 1  # ids are packed as I31 - id under the key, so a larger pack is earlier in the order
 DALL = 1 << 32  # a bound beyond every d: the whole vocabulary
+# The two full passes that need no decision (max, histogram) run spread over the GPU before the one-block kernel:
+# on an H100 the whole chain took 244 us a token at 151,936 entries in one block (bench/gpu/trace_decode.py).
+PRE_BLOCKS = 2 if config.ENABLE_CUDASIM else 128  # at most MAX_THREADS (the one-block kernel reduces their results)
+PRE_THREADS = 32 if config.ENABLE_CUDASIM else 256
 
 # cfg f64[CFG_SIZE]
 CFG_TEMP, CFG_TOPK, CFG_TOPP, CFG_MINP, CFG_LOGMINP, CFG_PEN, CFG_LASTN = range(7)
@@ -312,6 +317,105 @@ def _in_bound(d, i, bd, bid):
     return d < bd or (d == bd and i <= bid)
 
 
+# -- pre-passes over the whole grid ------------------------------------------------------------------------------
+
+@cuda.jit
+def pre_max_k(logits, cnt, cfg, part_best, part_bad, hist):
+    """Per block: the largest pack of key and id, and whether a NaN was seen, over its grid-strided elements
+    (part_best, part_bad [PRE_BLOCKS]); the grid also zeroes the global histogram for pre_hist_k."""
+    red = cuda.shared.array(PRE_THREADS, np.int64)
+    tid = cuda.threadIdx.x
+    g = cuda.gridDim.x * cuda.blockDim.x
+    i0 = cuda.grid(1)
+    nv = logits.shape[0]
+    pen = np.float32(cfg[CFG_PEN])
+    for j in range(i0, NB, g):
+        hist[j] = 0
+    best = np.int64(-1)
+    bad = 0
+    for i in range(i0, nv, 8 * g):
+        v0, v1, v2, v3, v4, v5, v6, v7 = _load8(logits, cnt, i, g, nv, pen)
+        best, bad = _p_max(v0, i, nv, best, bad)
+        best, bad = _p_max(v1, i + g, nv, best, bad)
+        best, bad = _p_max(v2, i + 2 * g, nv, best, bad)
+        best, bad = _p_max(v3, i + 3 * g, nv, best, bad)
+        best, bad = _p_max(v4, i + 4 * g, nv, best, bad)
+        best, bad = _p_max(v5, i + 5 * g, nv, best, bad)
+        best, bad = _p_max(v6, i + 6 * g, nv, best, bad)
+        best, bad = _p_max(v7, i + 7 * g, nv, best, bad)
+    best = block_max(red, best)
+    bad = block_max(red, np.int64(bad))
+    if tid == 0:
+        part_best[cuda.blockIdx.x] = best
+        part_bad[cuda.blockIdx.x] = bad
+
+
+@cuda.jit(device=True)
+def _reduce_max(red, part):
+    """The max of part[:gridDim of the pre-passes] across the block (part fits in the block's threads)."""
+    tid = cuda.threadIdx.x
+    return block_max(red, part[tid] if tid < part.shape[0] else np.int64(-1))
+
+
+@cuda.jit(device=True)
+def _grid_max(red, part_best, part_bad, logits, cnt, pen):
+    """pre_max_k's result across the block: (key of the max, its id, its penalized logit, whether the logits are
+    valid: no NaN, the max finite)."""
+    best = _reduce_max(red, part_best)
+    bad = _reduce_max(red, part_bad)
+    amax = I31 - (best & I31)
+    mx32 = _penalized(logits, cnt, amax, pen)
+    return best >> 31, amax, mx32, bad == 0 and mx32 != np.inf and mx32 != -np.inf
+
+
+@cuda.jit(device=True)
+def _needs_z(cfg, nv):
+    topk = np.int64(cfg[CFG_TOPK])
+    return cfg[CFG_TOPP] < 1.0 and not 0 < topk < nv
+
+
+@cuda.jit
+def pre_hist_k(logits, cnt, cfg, part_best, part_bad, hist, part_z):
+    """After pre_max_k: the histogram of d (as pass 2 of the one-block kernel) summed into hist, and per block the
+    top-p normalizer's share sum(exp(v - max)) when it is needed (part_z, summed in a fixed order later). Nothing
+    for greedy or invalid logits."""
+    red = cuda.shared.array(PRE_THREADS, np.int64)
+    hc = cuda.shared.array(NB, np.int32)
+    redf = cuda.shared.array(PRE_THREADS, np.float64)
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    g = cuda.gridDim.x * nt
+    i0 = cuda.grid(1)
+    nv = logits.shape[0]
+    pen = np.float32(cfg[CFG_PEN])
+    kmax, _, mx32, valid = _grid_max(red, part_best, part_bad, logits, cnt, pen)
+    if cfg[CFG_TEMP] <= 0.0 or not valid:
+        return
+    mx = np.float64(mx32)
+    need_z = _needs_z(cfg, nv)
+    for j in range(tid, NB, nt):
+        hc[j] = 0
+    cuda.syncthreads()
+    zs = 0.0
+    for i in range(i0, nv, 8 * g):
+        v0, v1, v2, v3, v4, v5, v6, v7 = _load8(logits, cnt, i, g, nv, pen)
+        zs += _p_hist(v0, i, nv, kmax, hc, need_z, mx)
+        zs += _p_hist(v1, i + g, nv, kmax, hc, need_z, mx)
+        zs += _p_hist(v2, i + 2 * g, nv, kmax, hc, need_z, mx)
+        zs += _p_hist(v3, i + 3 * g, nv, kmax, hc, need_z, mx)
+        zs += _p_hist(v4, i + 4 * g, nv, kmax, hc, need_z, mx)
+        zs += _p_hist(v5, i + 5 * g, nv, kmax, hc, need_z, mx)
+        zs += _p_hist(v6, i + 6 * g, nv, kmax, hc, need_z, mx)
+        zs += _p_hist(v7, i + 7 * g, nv, kmax, hc, need_z, mx)
+    cuda.syncthreads()
+    for j in range(tid, NB, nt):
+        if hc[j] != 0:
+            cuda.atomic.add(hist, j, hc[j])
+    z = block_sum(redf, zs)
+    if tid == 0:
+        part_z[cuda.blockIdx.x] = z
+
+
 # -- the kernel -------------------------------------------------------------------------------------------------
 
 _KERNELS: dict = {}
@@ -442,7 +546,7 @@ def _build(cap: int, nthreads: int):
     jit = cuda.jit(max_registers=65536 // nthreads) if nthreads > 256 and not config.ENABLE_CUDASIM else cuda.jit
 
     @jit
-    def sample_k(logits, cnt, cfg, state, ring, token, token_host):
+    def sample_k(logits, cnt, cfg, state, ring, token, token_host, part_best, part_bad, hist, part_z):
         hc = cuda.shared.array(NB, np.int32)
         hm = cuda.shared.array(NB, np.float64)
         buf = cuda.shared.array(cap, np.int64)
@@ -460,27 +564,11 @@ def _build(cap: int, nthreads: int):
         minp = cfg[CFG_MINP]
         pen = np.float32(cfg[CFG_PEN])
 
-        # 1. max and argmax (the largest pack of key and id), invalid logits
-        best = np.int64(-1)
-        bad = 0
-        for i in range(tid, nv, 8 * nt):
-            v0, v1, v2, v3, v4, v5, v6, v7 = _load8(logits, cnt, i, nt, nv, pen)
-            best, bad = _p_max(v0, i, nv, best, bad)
-            best, bad = _p_max(v1, i + nt, nv, best, bad)
-            best, bad = _p_max(v2, i + 2 * nt, nv, best, bad)
-            best, bad = _p_max(v3, i + 3 * nt, nv, best, bad)
-            best, bad = _p_max(v4, i + 4 * nt, nv, best, bad)
-            best, bad = _p_max(v5, i + 5 * nt, nv, best, bad)
-            best, bad = _p_max(v6, i + 6 * nt, nv, best, bad)
-            best, bad = _p_max(v7, i + 7 * nt, nv, best, bad)
-        best = block_max(redi, best)
-        bad = block_max(redi, bad)
-        kmax = best >> 31
-        amax = I31 - (best & I31)
-        mx32 = _penalized(logits, cnt, amax, pen)
+        # 1. max and argmax (the largest pack of key and id), invalid logits: pre_max_k's per-block results
+        kmax, amax, mx32, valid = _grid_max(redi, part_best, part_bad, logits, cnt, pen)
         mx = np.float64(mx32)
         tok = amax
-        if bad != 0 or mx32 == np.inf or mx32 == -np.inf:
+        if not valid:
             tok = -1
         elif temp > 0.0:
             kk = topk if 0 < topk < nv else 0
@@ -492,24 +580,13 @@ def _build(cap: int, nthreads: int):
                 thr = np.float32(mx + cfg[CFG_LOGMINP])
                 dthr = kmax - _key(thr)
 
-            # 2. histogram of d: counts, and the masses of top-p's normalizer when top-k is off
+            # 2. histogram of d: counts, and the masses of top-p's normalizer when top-k is off (pre_hist_k's)
             for j in range(tid, NB, nt):
-                hc[j] = 0
-                hm[j] = 0.0
+                hc[j] = hist[j]
+            z = 0.0
+            if need_z:
+                z = block_sum(redf, part_z[tid] if tid < part_z.shape[0] else 0.0)
             cuda.syncthreads()
-            zs = 0.0
-            for i in range(tid, nv, 8 * nt):
-                v0, v1, v2, v3, v4, v5, v6, v7 = _load8(logits, cnt, i, nt, nv, pen)
-                zs += _p_hist(v0, i, nv, kmax, hc, need_z, mx)
-                zs += _p_hist(v1, i + nt, nv, kmax, hc, need_z, mx)
-                zs += _p_hist(v2, i + 2 * nt, nv, kmax, hc, need_z, mx)
-                zs += _p_hist(v3, i + 3 * nt, nv, kmax, hc, need_z, mx)
-                zs += _p_hist(v4, i + 4 * nt, nv, kmax, hc, need_z, mx)
-                zs += _p_hist(v5, i + 5 * nt, nv, kmax, hc, need_z, mx)
-                zs += _p_hist(v6, i + 6 * nt, nv, kmax, hc, need_z, mx)
-                zs += _p_hist(v7, i + 7 * nt, nv, kmax, hc, need_z, mx)
-            cuda.syncthreads()
-            z = block_sum(redf, zs) if need_z else 0.0
             # the prefix (d <= dlim) that holds every kept candidate
             dlim = np.int64(DALL - 1)
             by_minp = False  # the prefix is cut by min-p: a top-p crossing past it is then irrelevant

@@ -25,7 +25,7 @@ from numba import cuda
 
 from strata_nb.cpu_kernels.matmul import dequant_rows, matmul_f32
 from strata_nb.cpu_kernels.ops import rmsnorm as cpu_rmsnorm
-from strata_nb.cpu_kernels.qtypes import F32, Q4_K, Q6_K, Q8_0, QUANT_INFO, SUPPORTED, row_bytes
+from strata_nb.cpu_kernels.qtypes import F16, F32, Q4_K, Q6_K, Q8_0, QUANT_INFO, SUPPORTED, row_bytes
 from strata_nb.cuda_kernels import matmul as mm
 from strata_nb.errors import StrataError
 
@@ -244,6 +244,75 @@ def test_moe_down(qtype, f):
                 mag = mag + wts[t, j] * (np.abs(df) @ np.abs(h[t * kk + j]))
         assert_close(got[t], want, mag)
     assert (got[ntok] == base[ntok]).all()
+
+
+@pytest.mark.parametrize("qtype,off", [pytest.param(q, o, id=f"{QUANT_INFO[q][0]}-off{o}")
+                                       for q, o in ((Q4_K, 66), (Q6_K, 128), (Q8_0, 66), (F16, 128))])
+def test_moe_prompt_grouped_by_expert(qtype, off):
+    """A prompt chunk's expert FFN grouped by expert: group_experts, then moe_tiled for gate, up and down and
+    experts_combine into the residual stream, against numpy on the dequantized matrices. Tokens choosing 3 of 6
+    experts, 4 of them resident in slots: every expert gets two tiles of entries and more, 21 rows (no whole row tiles), matrices at 2- or 4-aligned offsets; entries of experts without a
+    slot are neither grouped nor combined."""
+    from strata_nb.cuda_kernels import ops as gops
+
+    rng = np.random.default_rng(500 + qtype + off)
+    ne, kk, n, k = 6, 3, 21, k_of(qtype)
+    ntok = 4 * mm.TILE_TOKS + 1  # (uneven counts: partial tiles)
+    slot_of = np.array([2, -1, 0, 3, -1, 1], np.int32)
+    # token t chooses experts t, t + 2, t + 4 (mod 6) in a random order: each gets ntok / 2 entries, two tiles
+    ids = np.stack([rng.permutation([t % ne, (t + 2) % ne, (t + 4) % ne]) for t in range(ntok)]).astype(np.int32)
+    rb = rb_d = row_bytes(qtype, k)
+    # gate and up: n x k; down k x k (a k x n one would need n whole blocks: odd rows are the gate's and up's case)
+    mats = {e: [random_rows(qtype, n, k, rng), random_rows(qtype, n, k, rng), random_rows(qtype, k, k, rng)]
+            for e in range(ne)}
+    og, ou = off, off + n * rb + 2 * (off % 4 == 2)
+    od = ou + n * rb + 2
+    slots = cuda.to_device(_slots_with(qtype, mats, slot_of, rng, (og, ou, od), (rb, rb, rb_d)))
+    x = rng.standard_normal((ntok, k)).astype(np.float32)
+    wts = rng.uniform(0.1, 1.0, (ntok, kk)).astype(np.float32)
+    base = rng.standard_normal((ntok, k)).astype(np.float32)
+    nent = ntok * kk
+    nt = gops.group_tiles_bound(nent, ne, mm.TILE_TOKS)
+    order, tiles, ntiles = (cuda.to_device(np.full(sh, -1, np.int32)) for sh in ((nent,), (nt, 3), (1,)))
+    d_ids, d_slot = cuda.to_device(ids), cuda.to_device(slot_of)
+    gops.group_experts(d_ids, d_slot, ntok, mm.TILE_TOKS, order, tiles, ntiles, 0)
+    o, tl, m = order.copy_to_host(), tiles.copy_to_host(), int(ntiles.copy_to_host()[0])
+    hit = [i for i in range(nent) if slot_of[ids[i // kk, i % kk]] >= 0]
+    assert sorted(o[:len(hit)].tolist()) == hit and (o[len(hit):] == -1).all()
+    assert tl[:m, 2].sum() == len(hit) and (tl[:m, 2] <= mm.TILE_TOKS).all() and (tl[:m, 2] > 0).all()
+    for s_, j0, c in tl[:m]:  # a tile: entries of one expert, the one in that slot
+        assert {int(slot_of[ids[i // kk, i % kk]]) for i in o[j0:j0 + c]} == {s_}
+    assert (np.bincount(ids.reshape(-1), minlength=ne)[slot_of >= 0] > mm.TILE_TOKS).all()
+    assert (tl[:m, 2] < mm.TILE_TOKS).any()
+    grouping = (order, tiles, ntiles, nt)
+    g, u = (cuda.to_device(np.full((nent, n), SENTINEL, np.float32)) for _ in range(2))
+    mm.moe_tiled((qtype, og, rb), slots, n, grouping, cuda.to_device(x), kk, g, 0)
+    mm.moe_tiled((qtype, ou, rb), slots, n, grouping, cuda.to_device(x), kk, u, 0)
+    hg, hu = g.copy_to_host(), u.copy_to_host()
+    h = rng.standard_normal((nent, k)).astype(np.float32)  # the down input, independent of the gate/up check
+    y = cuda.to_device(np.full((nent, k), SENTINEL, np.float32))
+    mm.moe_tiled((qtype, od, rb_d), slots, k, grouping, cuda.to_device(h), 1, y, 0)
+    out = cuda.to_device(base)
+    gops.experts_combine(y, d_ids, cuda.to_device(wts), d_slot, out, ntok, 0)
+    got_y, got = y.copy_to_host(), out.copy_to_host()
+    for i in range(nent):
+        t, e = i // kk, ids[i // kk, i % kk]
+        if slot_of[e] < 0:
+            assert (hg[i] == SENTINEL).all() and (hu[i] == SENTINEL).all() and (got_y[i] == SENTINEL).all()
+            continue
+        for mat, gotm in ((mats[e][0], hg[i]), (mats[e][1], hu[i])):
+            wf = dequant(qtype, mat)
+            assert_close(gotm, wf @ x[t].astype(np.float64), np.abs(wf) @ np.abs(x[t]).astype(np.float64))
+        df = dequant(qtype, mats[e][2])
+        assert_close(got_y[i], df @ h[i].astype(np.float64), np.abs(df) @ np.abs(h[i]).astype(np.float64))
+    for t in range(ntok):
+        want, mag = base[t].astype(np.float64), np.abs(base[t]).astype(np.float64)
+        for j in range(kk):
+            i = t * kk + j
+            if slot_of[ids[t, j]] >= 0:
+                want = want + wts[t, j] * got_y[i].astype(np.float64)
+                mag = mag + wts[t, j] * np.abs(got_y[i]).astype(np.float64)
+        assert_close(got[t], want, mag)
 
 
 @pytest.mark.parametrize("qtype", [pytest.param(q, id=QUANT_INFO[q][0]) for q in (Q4_K, Q6_K, Q8_0, F32)])

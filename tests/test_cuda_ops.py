@@ -230,6 +230,29 @@ def test_route_topk(renorm: bool, scale: float, stream) -> None:
     assert ids.copy_to_host()[0].tolist() == [2, 5]
 
 
+@pytest.mark.parametrize("ne,k", [(128, 8), (512, 10), (40, 40)])
+def test_route_topk_many_experts(ne: int, k: int, stream) -> None:
+    """Several experts per lane on a GPU (lanes own ids e mod 32): ties within a lane and across lanes go to the
+    lower id, every k up to all the experts, and a row of NaNs stays in range."""
+    r = rng(12)
+    ntok = 3
+    logits = r.standard_normal((ntok, ne)).astype(np.float32)
+    logits[0, [1, 33, ne - 1]] = 9.0  # a three-way tie: ids 1 and 33 share lane 1
+    logits[1, [0, 32]] = 7.0  # a tie within lane 0
+    ids_w = np.empty((ntok, k), np.int64)
+    wts_w = np.empty((ntok, k), np.float32)
+    cpu.route_softmax_topk(logits, k, True, np.float32(1.0), ids_w, wts_w)
+    ids, wts = cuda.device_array((ntok + 1, k), np.int32), cuda.device_array((ntok + 1, k), np.float32)
+    gops.route_topk(dev(logits), k, True, 1.0, ids, wts, ntok, stream)
+    np.testing.assert_array_equal(ids.copy_to_host()[:ntok], ids_w)
+    np.testing.assert_allclose(wts.copy_to_host()[:ntok], wts_w, rtol=2e-6, atol=1e-7)
+    assert ids_w[0, :3].tolist() == [1, 33, ne - 1] and ids_w[1, :2].tolist() == [0, 32]
+    nan = np.full((1, ne), np.nan, np.float32)
+    gops.route_topk(dev(nan), k, True, 1.0, ids, wts, 1, stream)
+    got = ids.copy_to_host()[0]
+    assert ((got >= 0) & (got < ne)).all()
+
+
 def test_route_topk_publishes_to_the_mailbox(stream) -> None:
     """With publish, the same launch copies the MoE input rows, the choices and each choice's slot into the
     mapped mailbox, and the last block bumps the counter and the mailbox's sequence number exactly once."""

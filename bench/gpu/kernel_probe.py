@@ -7,7 +7,7 @@ graph of `reps` launches replayed 5 times (median, per launch): "warm" back to b
 with a kernel that writes 160 MB between launches (L2 flushed: weights, KV rows and kernel code come from HBM, as
 in a decode token where ~30 MB of weights pass through L2 between one layer's launch of a kernel and the next),
 less the same graph of flushes alone. Attention variants: warps per block x the least keys per chunk (the
-engine's 8 x 64 first; outputs compared with its). Then QK-norm + rope + KV append, route top-k, the router's
+engine's 8 x 64 first, then the same with the accurate exp; outputs compared with the first). Then QK-norm + rope + KV append, route top-k, the router's
 matrix-vector launch (F32 128 x 2048 with the RMSNorm fused) at several block shapes, and an empty kernel (the
 floor of a launch inside a graph), warm and cold.
 """
@@ -101,8 +101,10 @@ def main() -> None:
     for n in keys:
         pos.copy_to_device(np.array([n - 1], np.int32))
         ref = None
-        for nw, mc in ((engine_warps, A.MIN_CHUNK), (4, 64), (4, 32), (8, 32), (8, 16)):
+        for nw, mc, fast in ((engine_warps, A.MIN_CHUNK, True), (engine_warps, A.MIN_CHUNK, False), (4, 64, True),
+                             (8, 32, True), (8, 16, True)):
             A._GPU_WARPS = nw  # (the simulator runs its own one warp)
+            A._FAST_EXP = fast
             want = max(1, (4 * n_sm) // NKV)
             ns = int(max(1, min(A._MAX_SPLIT, want, -(-(n + 128) // mc))))
             scratch = A.decode_scratch(NH, HD, ns)
@@ -119,9 +121,10 @@ def main() -> None:
                 ref = got
             diff = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
             chunk = max(mc, -(-n // ns))
-            print(f"| {n} | {nw} warps, >= {mc} keys | {ns} | {NKV * ns} ({NKV * -(-n // chunk)} live) | {warm:.2f} | "
+            ex = "" if fast else ", exact exp"
+            print(f"| {n} | {nw} warps, >= {mc} keys{ex} | {ns} | {NKV * ns} ({NKV * -(-n // chunk)} live) | {warm:.2f} | "
                   f"{cold:.2f} | {diff:.2e} |")
-    A._GPU_WARPS = engine_warps
+    A._GPU_WARPS, A._FAST_EXP = engine_warps, True
 
     # QK-norm + rope + KV append, route top-k (128 experts, top 8)
     qf = cuda.to_device(rng.standard_normal((1, NH * HD)).astype(np.float32))

@@ -1,7 +1,7 @@
 """Where a hybrid decode token's GPU time goes, as the GPU ran it (run on the GPU machine).
 
     python3 bench/gpu/trace_decode.py -m MODEL [--share 1.0] [--prompt 128] [--gen 128] [--tokens 8]
-                                      [--warmup-seed 0] [--out trace.json]
+                                      [--warmup-seed 0] [--host-profile N] [--out trace.json]
 
 Loads the model with the VRAM share of hybrid_vs_llama.py, generates a warm-up (4 tokens) and an untraced generation
 (--prompt + --gen tokens: its decode rate, as the benchmark's), then records `--tokens` decode tokens of one more
@@ -56,6 +56,16 @@ def key(e: dict) -> str:
     return f"{short(e['name'])} {g}" if g else short(e["name"])
 
 
+def host_line(res) -> str:
+    """A generation's decode breakdown, ms per token (as hybrid_vs_llama.py reports it)."""
+    h = getattr(res, "hybrid", None)
+    if h is None or not h.tokens:
+        return "no hybrid stats"
+    f = 1e3 / h.tokens
+    return (f"ms/token graph {h.graph_s * f:.2f} wait {h.wait_s * f:.2f} cpu {h.cpu_s * f:.2f} host {h.host_s * f:.2f} "
+            f"(launch {h.launch_s * f:.2f} glue {h.glue_s * f:.2f} call {h.call_s * f:.2f} end {h.end_s * f:.2f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-m", "--model", required=True)
@@ -67,6 +77,8 @@ def main() -> None:
     ap.add_argument("--warmup-seed", type=int, default=0,
                     help="the warm-up generation's sampler seed (the timed ones use 0; hybrid_vs_llama.py warms up "
                          "with another seed, which binds a new device sampler and captures the graphs again)")
+    ap.add_argument("--host-profile", type=int, default=0,
+                    help="then generate this many tokens under cProfile and print the host's top functions")
     ap.add_argument("--out", default=None, help="keep the chrome trace here")
     a = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile  # a CUPTI tracer (the GPU machine has torch)
@@ -78,7 +90,18 @@ def main() -> None:
     eng.generate(prompt_ids(7919, a.prompt, eng.spec.n_vocab), max_new=4,
                  sampler=SamplerConfig(temperature=0.8, seed=a.warmup_seed))
     res = eng.generate(prompt_ids(0, a.prompt, eng.spec.n_vocab), max_new=a.gen, sampler=cfg)
-    print(f"share {a.share}, prompt {a.prompt}, {a.gen} generated: decode {res.decode_tps:.1f} tok/s untraced")
+    print(f"share {a.share}, prompt {a.prompt}, {a.gen} generated: decode {res.decode_tps:.1f} tok/s untraced; "
+          f"{host_line(res)}")
+    if a.host_profile:  # where the host's share of a token goes, by Python function
+        import cProfile
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+        r1 = eng.generate(prompt_ids(2, a.prompt, eng.spec.n_vocab), max_new=a.host_profile, sampler=cfg)
+        pr.disable()
+        print(f"under cProfile: decode {r1.decode_tps:.1f} tok/s; {host_line(r1)}")
+        pstats.Stats(pr).sort_stats("tottime").print_stats(25)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         r2 = eng.generate(prompt_ids(1, a.prompt, eng.spec.n_vocab), max_new=a.tokens + 2, sampler=cfg)

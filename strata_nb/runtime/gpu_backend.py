@@ -99,8 +99,12 @@ def scratch_bytes(spec: ModelSpec, ntok: int, n_ctx: int) -> int:
     if spec.deltanet is not None:
         dn = spec.deltanet
         per_tok += (2 * dn.conv_dim + 2 * dn.v_dim + 4 * dn.n_v_head) * 4
+    grouped = 0
+    if spec.is_moe and ntok > 1:  # a prompt chunk's choices grouped by expert: up and down outputs, the grouping
+        grouped = ntok * k * (spec.n_ff_exp + spec.n_embd + 1) * 4 \
+            + (kops.group_tiles_bound(ntok * k, spec.n_expert, kmm.TILE_TOKS) * 3 + 1) * 4
     n_split = katt.choose_n_split(n_ctx, spec.n_head_kv)
-    return ntok * per_tok + spec.n_head * (n_split * (spec.head_dim + 2) + 1) * 4
+    return ntok * per_tok + grouped + spec.n_head * (n_split * (spec.head_dim + 2) + 1) * 4
 
 
 KV_TYPES = {"f16": np.float16, "f32": np.float32}  # the KV cache's element type on the device
@@ -230,6 +234,10 @@ class GPUBackend:
         if s.is_moe:
             self.rl, self.ids, self.wts = z(tm, s.n_expert), z(tm, k, dt=np.int32), z(tm, k)
             self.eh = z(tm * k, s.n_ff_exp)
+            if tm > 1:  # a prompt chunk's choices grouped by expert (gpu_blocks/ffn.py): up, down outputs, grouping
+                nt = kops.group_tiles_bound(tm * k, s.n_expert, kmm.TILE_TOKS)
+                self.eu, self.ey = z(tm * k, s.n_ff_exp), z(tm * k, s.n_embd)
+                self.grouping = (z(tm * k, dt=np.int32), z(nt, 3, dt=np.int32), z(1, dt=np.int32), nt)
             self.done = cuda.to_device(np.zeros(1, np.int32))  # route_topk's count of blocks done publishing
         f_sh = max((lw.ffn.shexp_gate.n_out for lw in self.w.layers
                     if lw.router is not None and lw.ffn.shexp_gate is not None), default=0)

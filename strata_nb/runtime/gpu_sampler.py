@@ -44,6 +44,11 @@ class GPUSampler:
         self.token = cuda.to_device(np.zeros(1, np.int32))  # read by the next token's embedding
         self.token_host = cuda.mapped_array(1, np.int32)  # read by the host after the stream synchronizes
         self.token_host[0] = 0
+        # the pre-passes' results (cuda_kernels/sample.py: per-block max and NaN flag, the histogram, per-block z)
+        self.part_best = cuda.to_device(np.zeros(ks.PRE_BLOCKS, np.int64))
+        self.part_bad = cuda.to_device(np.zeros(ks.PRE_BLOCKS, np.int64))
+        self.hist = cuda.to_device(np.zeros(ks.NB, np.int32))
+        self.part_z = cuda.to_device(np.zeros(ks.PRE_BLOCKS, np.float64))
         self._kernel = None
 
     def fits(self, config: SamplerConfig) -> bool:
@@ -97,15 +102,19 @@ class GPUSampler:
         self.state.copy_to_device(st, stream=stream)
 
     def launch(self, logits_row, stream) -> None:
-        """Enqueue the sampling of logits_row (device f32[vocab]): writes self.token and self.token_host, advances
-        the step and the history on the device. No allocation, copy or synchronization: capturable."""
+        """Enqueue the sampling of logits_row (device f32[vocab]) as three launches (two pre-passes over the grid,
+        then the one-block chain): writes self.token and self.token_host, advances the step and the history on the
+        device. No allocation, copy or synchronization: capturable."""
         if logits_row.shape != (self.vocab,):
             raise StrataError(f"logits row has shape {logits_row.shape}, the sampler expects ({self.vocab},)")
         nt = ks.threads()
         if self._kernel is None:
             self._kernel = ks.kernel(self.cand_cap, nt)
+        pre = (logits_row, self.counts, self.cfg, self.part_best, self.part_bad, self.hist)
+        ks.pre_max_k[ks.PRE_BLOCKS, ks.PRE_THREADS, stream](*pre)
+        ks.pre_hist_k[ks.PRE_BLOCKS, ks.PRE_THREADS, stream](*pre, self.part_z)
         self._kernel[1, nt, stream](logits_row, self.counts, self.cfg, self.state, self.ring, self.token,
-                                             self.token_host)
+                                    self.token_host, self.part_best, self.part_bad, self.hist, self.part_z)
 
     def result(self) -> int:
         """The last sampled token (after the launch's stream has synchronized)."""

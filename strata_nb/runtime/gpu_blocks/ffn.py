@@ -2,7 +2,8 @@
 and including the layer's GPU work, the launches after the CPU pool's part, whether the host must act between
 them). A MoE layer whose experts are not all in VRAM publishes its routing to the mailbox in the routing launch
 (the doorbell): the CPU pool starts on the misses while the GPU computes the VRAM hits and the shared expert; the
-launches after the pool add its sum into the residual stream."""
+launches after the pool add its sum into the residual stream. A prompt chunk's VRAM hits are grouped by expert
+first, so each expert's rows are read once per tile of its choices (the decode kernels read them once per choice)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -38,11 +39,19 @@ def moe(b: "GPUBackend", l: int, T: int) -> tuple[list["Op"], list["Op"], bool]:
         ops.append(b._prefetch_op(l))
     if b.cache.slots.get(l, 0) > 0:  # the choices with a VRAM slot
         buf, lay = b.cache.bufs[l], b.cache.layouts[l]
-        g, u, d = lay.mats["gate"], lay.mats["up"], lay.mats["down"]
-        ops.append(lambda st: kmm.moe_gate_up((g.qtype, g.offset, g.row_bytes), (u.qtype, u.offset, u.row_bytes),
-                                              buf, g.rows, table, b.ids, b.xn, b.eh, T, st, q8=b.q8))
-        ops.append(lambda st: kmm.moe_down((d.qtype, d.offset, d.row_bytes), buf, d.rows, table, b.ids,
-                                           b.wts, b.eh, b.x, T, st))
+        g, u, d = ((m.qtype, m.offset, m.row_bytes) for m in (lay.mats["gate"], lay.mats["up"], lay.mats["down"]))
+        ff, hidden = lay.mats["gate"].rows, lay.mats["down"].rows
+        if T == 1:  # matrix-vector kernels, one choice a warp
+            ops.append(lambda st: kmm.moe_gate_up(g, u, buf, ff, table, b.ids, b.xn, b.eh, T, st, q8=b.q8))
+            ops.append(lambda st: kmm.moe_down(d, buf, hidden, table, b.ids, b.wts, b.eh, b.x, T, st))
+        else:  # a prompt chunk: the choices grouped by expert, each expert's rows read once per tile of them
+            n = T * k
+            ops.append(lambda st: kops.group_experts(b.ids, table, T, kmm.TILE_TOKS, *b.grouping[:3], st))
+            ops.append(lambda st: kmm.moe_tiled(g, buf, ff, b.grouping, b.xn, k, b.eh, st))
+            ops.append(lambda st: kmm.moe_tiled(u, buf, ff, b.grouping, b.xn, k, b.eu, st))
+            ops.append(lambda st: kops.swiglu(b.eh, b.eu, b.eh, n, st))
+            ops.append(lambda st: kmm.moe_tiled(d, buf, hidden, b.grouping, b.eh, 1, b.ey, st))
+            ops.append(lambda st: kops.experts_combine(b.ey, b.ids, b.wts, table, b.x, T, st))
     if shared:
         ops.append(lambda st: kops.swiglu(b.sg, b.su, b.sh, T, st))
         if L["shexp_gate_inp"] is not None:
