@@ -392,8 +392,32 @@ def _make_kernels(name: str, bs: int, unpack, chunk_dot):
 
         return types.void(w, r0, n, xq, xd, xs, out, nb), codegen
 
+    def dot_q8_multi_rows(typingctx, w, r0, n, xq, xd, xs, toks, out, j, nb):
+        """out[j + k, r0 + i] = dot_q8 of row r0 + i of the 2-D w against token toks[k], for i < n: a task's
+        rows against a group of tokens in one call (each row unpacked once for the group, as dot_q8_multi)."""
+        def codegen(context, builder, sig, args):
+            b = builder
+            rb = b.mul(args[9], ir.Constant(_I64, bs))
+            r0 = context.cast(b, args[1], sig.args[1], types.intp)
+            w0 = b.gep(array_ptr(context, b, sig.args[0], args[0], _I8), [b.mul(r0, rb)])
+            ts = [context.cast(b, b.extract_value(args[6], k), ty, types.intp) for k, ty in enumerate(sig.args[6])]
+            rows = [_row_ptrs(context, b, sig.args[i], args[i], e, ts) for i, e in ((3, _I8), (4, _F32), (5, _F32))]
+            j = context.cast(b, args[8], sig.args[8], types.intp)
+            ops = [b.gep(p, [r0]) for p in _row_ptrs(context, b, sig.args[7], args[7], _F32,
+                                                      [b.add(j, ir.Constant(_I64, k)) for k in range(len(ts))])]
+            with cgutils.for_range(b, context.cast(b, args[2], sig.args[2], types.intp)) as loop:
+                i = loop.index
+                res = q8_row(b, b.gep(w0, [b.mul(i, rb)]), args[9], list(zip(*rows)))
+                for k, v in enumerate(res):
+                    b.store(v, b.gep(ops[k], [i]))
+            return context.get_dummy_value()
+
+        if not isinstance(toks, types.BaseTuple) or not all(isinstance(t, types.Integer) for t in toks):
+            raise TypeError("token indices must be a tuple of integers")
+        return types.void(w, r0, n, xq, xd, xs, toks, out, j, nb), codegen
+
     out = []
-    for f in (dequant, dot_f32, dot_q8, dot_q8_multi, dot_q8_rows):
+    for f in (dequant, dot_f32, dot_q8, dot_q8_multi, dot_q8_rows, dot_q8_multi_rows):
         f.__name__ = f.__qualname__ = f"_ir_{f.__name__}_{name}_{chunk_dot.__name__[11:]}"
         out.append(intrinsic(f))
     return out
@@ -430,6 +454,12 @@ def _check_tokens(toks, ntok):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _check_out_rows(j, n, nout):
+    if j < 0 or j + n > nout:
+        raise StrataError("K-quant rows: output rows out of range")
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _check_rows(wrows, wrow_stride, wbytes, bs, r0, r1, nout, ostride):
     """Super-blocks per row of a 2-D matrix whose rows r0:r1 a dot_q8_rows call reads (into out[r0:r1])."""
     nb = wbytes // bs
@@ -448,11 +478,11 @@ def _check_rows(wrows, wrow_stride, wbytes, bs, r0, r1, nout, ostride):
 # raise StrataError on mismatched or non-contiguous arrays or out-of-range tokens and rows.
 
 CHUNK_DOT = _best_chunk_dot()
-_deq_q2_k, _f32_q2_k, _q8_q2_k, _q8m_q2_k, _q8r_q2_k = _make_kernels("q2_k", 84, _unpack_q2_k, CHUNK_DOT)
-_deq_q3_k, _f32_q3_k, _q8_q3_k, _q8m_q3_k, _q8r_q3_k = _make_kernels("q3_k", 110, _unpack_q3_k, CHUNK_DOT)
-_deq_q4_k, _f32_q4_k, _q8_q4_k, _q8m_q4_k, _q8r_q4_k = _make_kernels("q4_k", 144, _unpack_q4_k, CHUNK_DOT)
-_deq_q5_k, _f32_q5_k, _q8_q5_k, _q8m_q5_k, _q8r_q5_k = _make_kernels("q5_k", 176, _unpack_q5_k, CHUNK_DOT)
-_deq_q6_k, _f32_q6_k, _q8_q6_k, _q8m_q6_k, _q8r_q6_k = _make_kernels("q6_k", 210, _unpack_q6_k, CHUNK_DOT)
+_deq_q2_k, _f32_q2_k, _q8_q2_k, _q8m_q2_k, _q8r_q2_k, _q8mr_q2_k = _make_kernels("q2_k", 84, _unpack_q2_k, CHUNK_DOT)
+_deq_q3_k, _f32_q3_k, _q8_q3_k, _q8m_q3_k, _q8r_q3_k, _q8mr_q3_k = _make_kernels("q3_k", 110, _unpack_q3_k, CHUNK_DOT)
+_deq_q4_k, _f32_q4_k, _q8_q4_k, _q8m_q4_k, _q8r_q4_k, _q8mr_q4_k = _make_kernels("q4_k", 144, _unpack_q4_k, CHUNK_DOT)
+_deq_q5_k, _f32_q5_k, _q8_q5_k, _q8m_q5_k, _q8r_q5_k, _q8mr_q5_k = _make_kernels("q5_k", 176, _unpack_q5_k, CHUNK_DOT)
+_deq_q6_k, _f32_q6_k, _q8_q6_k, _q8m_q6_k, _q8r_q6_k, _q8mr_q6_k = _make_kernels("q6_k", 210, _unpack_q6_k, CHUNK_DOT)
 
 
 @njit(cache=True, nogil=True)
@@ -491,6 +521,18 @@ def dot_q8_q2_k_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.nda
 
 
 @njit(cache=True, nogil=True)
+def dot_q8_q2_k_multi_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
+                    toks: tuple, out: np.ndarray, j: int) -> None:
+    nb = _check_rows(w.shape[0], w.strides[0], w.shape[1], 84, r0, r1, out.shape[1], out.strides[1])
+    _nblocks(w.shape[1], w.strides[1], 84, xq.shape[1], xq.strides[1], 1)
+    _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
+    _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
+    _check_out_rows(j, len(toks), out.shape[0])
+    if r1 > r0:
+        _q8mr_q2_k(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nb)
+
+
+@njit(cache=True, nogil=True)
 def dequant_q3_k(w: np.ndarray, out: np.ndarray) -> None:
     _deq_q3_k(w, out, _nblocks(w.shape[0], w.strides[0], 110, out.shape[0], out.strides[0], 4))
 
@@ -523,6 +565,18 @@ def dot_q8_q3_k_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.nda
     _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
     if r1 > r0:
         _q8r_q3_k(w, r0, r1 - r0, xq, xd, xs, out, nb)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q3_k_multi_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
+                    toks: tuple, out: np.ndarray, j: int) -> None:
+    nb = _check_rows(w.shape[0], w.strides[0], w.shape[1], 110, r0, r1, out.shape[1], out.strides[1])
+    _nblocks(w.shape[1], w.strides[1], 110, xq.shape[1], xq.strides[1], 1)
+    _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
+    _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
+    _check_out_rows(j, len(toks), out.shape[0])
+    if r1 > r0:
+        _q8mr_q3_k(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nb)
 
 
 @njit(cache=True, nogil=True)
@@ -561,6 +615,18 @@ def dot_q8_q4_k_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.nda
 
 
 @njit(cache=True, nogil=True)
+def dot_q8_q4_k_multi_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
+                    toks: tuple, out: np.ndarray, j: int) -> None:
+    nb = _check_rows(w.shape[0], w.strides[0], w.shape[1], 144, r0, r1, out.shape[1], out.strides[1])
+    _nblocks(w.shape[1], w.strides[1], 144, xq.shape[1], xq.strides[1], 1)
+    _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
+    _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
+    _check_out_rows(j, len(toks), out.shape[0])
+    if r1 > r0:
+        _q8mr_q4_k(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nb)
+
+
+@njit(cache=True, nogil=True)
 def dequant_q5_k(w: np.ndarray, out: np.ndarray) -> None:
     _deq_q5_k(w, out, _nblocks(w.shape[0], w.strides[0], 176, out.shape[0], out.strides[0], 4))
 
@@ -596,6 +662,18 @@ def dot_q8_q5_k_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.nda
 
 
 @njit(cache=True, nogil=True)
+def dot_q8_q5_k_multi_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
+                    toks: tuple, out: np.ndarray, j: int) -> None:
+    nb = _check_rows(w.shape[0], w.strides[0], w.shape[1], 176, r0, r1, out.shape[1], out.strides[1])
+    _nblocks(w.shape[1], w.strides[1], 176, xq.shape[1], xq.strides[1], 1)
+    _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
+    _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
+    _check_out_rows(j, len(toks), out.shape[0])
+    if r1 > r0:
+        _q8mr_q5_k(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nb)
+
+
+@njit(cache=True, nogil=True)
 def dequant_q6_k(w: np.ndarray, out: np.ndarray) -> None:
     _deq_q6_k(w, out, _nblocks(w.shape[0], w.strides[0], 210, out.shape[0], out.strides[0], 4))
 
@@ -628,3 +706,15 @@ def dot_q8_q6_k_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.nda
     _check_scales(nb, xd.shape[0], xd.strides[0], xs.shape[0], xs.strides[0])
     if r1 > r0:
         _q8r_q6_k(w, r0, r1 - r0, xq, xd, xs, out, nb)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q6_k_multi_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
+                    toks: tuple, out: np.ndarray, j: int) -> None:
+    nb = _check_rows(w.shape[0], w.strides[0], w.shape[1], 210, r0, r1, out.shape[1], out.strides[1])
+    _nblocks(w.shape[1], w.strides[1], 210, xq.shape[1], xq.strides[1], 1)
+    _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
+    _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
+    _check_out_rows(j, len(toks), out.shape[0])
+    if r1 > r0:
+        _q8mr_q6_k(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nb)

@@ -420,6 +420,35 @@ def _ir_dot_q8_rows(typingctx, w, r0, n, xq, xd, xs, out, nblk, qt):
     return types.void(w, r0, n, xq, xd, xs, out, types.int64, qt), codegen
 
 
+@intrinsic(prefer_literal=True)
+def _ir_dot_q8_multi_rows(typingctx, w, r0, n, xq, xd, xs, toks, out, j, nblk, qt):
+    """out[j + k, r0 + i] = dot_q8 of row r0 + i of the 2-D w against token toks[k], for i < n: a task's rows
+    against a group of tokens in one call, each row decoded once for the group."""
+    decode, bb = _DECODERS[_qtype_of(qt)]
+
+    def codegen(context, builder, sig, args):
+        b = builder
+        nblk = b.sext(args[9], _I64)
+        rb = b.mul(nblk, _c(bb))
+        r0 = context.cast(b, args[1], sig.args[1], types.intp)
+        w0 = b.gep(array_ptr(context, b, sig.args[0], args[0]), [b.mul(r0, rb)])
+        ts = [context.cast(b, b.extract_value(args[6], k), ty, types.intp) for k, ty in enumerate(sig.args[6])]
+        rows = [_row_ptrs(context, b, sig.args[i], args[i], e, ts) for i, e in ((3, _I8), (4, _F32), (5, _F32))]
+        j = context.cast(b, args[8], sig.args[8], types.intp)
+        ops = [b.gep(p, [r0]) for p in _row_ptrs(context, b, sig.args[7], args[7], _F32,
+                                                  [b.add(j, _c(k)) for k in range(len(ts))])]
+        with cgutils.for_range(b, context.cast(b, args[2], sig.args[2], types.intp)) as loop:
+            i = loop.index
+            res = _q8_rows(b, b.gep(w0, [b.mul(i, rb)]), nblk, decode, bb, list(zip(*rows)))
+            for k, v in enumerate(res):
+                b.store(v, b.gep(ops[k], [i]))
+        return context.get_dummy_value()
+
+    if not isinstance(toks, types.BaseTuple) or not all(isinstance(t, types.Integer) for t in toks):
+        raise TypeError("token indices must be a tuple of integers")
+    return types.void(w, r0, n, xq, xd, xs, toks, out, j, types.int64, qt), codegen
+
+
 # ---- shape checks: one compare per row (an IR loop past the end would read foreign memory). They take
 # lengths, not arrays: an array argument costs an NRT incref/decref pair per call, atomics that threads
 # sharing one activation row would contend on.
@@ -458,6 +487,20 @@ def _nblk_rows(wrows, wrow_stride, wbytes, wstride, nxq, nxd, nxs, r0, r1, nout,
         raise ValueError("matrix rows are not contiguous")
     if r0 < 0 or r1 > wrows or r1 > nout or ostride != 4:
         raise ValueError("row range outside the matrix or the output")
+    return nblk
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _nblk_multi_rows(wrows, wrow_stride, wbytes, wstride, nxq, nxd, nxs, ntok, toks, r0, r1, nout, ostride, j,
+                     nout_rows, bb):
+    """Blocks per row for a dot_q8_multi_rows call: rows r0:r1 of the matrix against tokens toks of 2-D
+    activations, into out[j:j + len(toks), r0:r1]."""
+    nblk = _nblk_rows(wrows, wrow_stride, wbytes, wstride, nxq, nxd, nxs, r0, r1, nout, ostride, bb)
+    for t in toks:
+        if t < 0 or t >= ntok:
+            raise ValueError("token index out of range of the activation rows")
+    if j < 0 or j + len(toks) > nout_rows:
+        raise ValueError("output rows out of range")
     return nblk
 
 
@@ -597,6 +640,17 @@ def dot_q8_q4_0_rows(w, r0, r1, xq, xd, xs, out):
 
 
 @njit(cache=True, nogil=True)
+def dot_q8_q4_0_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j):
+    nblk = _nblk_multi_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.shape[1], xd.shape[1],
+                            xs.shape[1], min(xq.shape[0], xd.shape[0], xs.shape[0]), toks, r0, r1, out.shape[1],
+                            out.strides[1], j, out.shape[0], 18)
+    if xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
+        raise ValueError("int8 activation rows are not contiguous")
+    if r1 > r0:
+        _ir_dot_q8_multi_rows(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nblk, Q4_0)
+
+
+@njit(cache=True, nogil=True)
 def dot_q8_q4_1_rows(w, r0, r1, xq, xd, xs, out):
     nblk = _nblk_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.size, xd.size, xs.size, r0, r1,
                       out.shape[0], out.strides[0], 20)
@@ -604,6 +658,17 @@ def dot_q8_q4_1_rows(w, r0, r1, xq, xd, xs, out):
         raise ValueError("int8 activation row is not contiguous")
     if r1 > r0:
         _ir_dot_q8_rows(w, r0, r1 - r0, xq, xd, xs, out, nblk, Q4_1)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q4_1_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j):
+    nblk = _nblk_multi_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.shape[1], xd.shape[1],
+                            xs.shape[1], min(xq.shape[0], xd.shape[0], xs.shape[0]), toks, r0, r1, out.shape[1],
+                            out.strides[1], j, out.shape[0], 20)
+    if xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
+        raise ValueError("int8 activation rows are not contiguous")
+    if r1 > r0:
+        _ir_dot_q8_multi_rows(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nblk, Q4_1)
 
 
 @njit(cache=True, nogil=True)
@@ -617,6 +682,17 @@ def dot_q8_q5_0_rows(w, r0, r1, xq, xd, xs, out):
 
 
 @njit(cache=True, nogil=True)
+def dot_q8_q5_0_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j):
+    nblk = _nblk_multi_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.shape[1], xd.shape[1],
+                            xs.shape[1], min(xq.shape[0], xd.shape[0], xs.shape[0]), toks, r0, r1, out.shape[1],
+                            out.strides[1], j, out.shape[0], 22)
+    if xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
+        raise ValueError("int8 activation rows are not contiguous")
+    if r1 > r0:
+        _ir_dot_q8_multi_rows(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nblk, Q5_0)
+
+
+@njit(cache=True, nogil=True)
 def dot_q8_q5_1_rows(w, r0, r1, xq, xd, xs, out):
     nblk = _nblk_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.size, xd.size, xs.size, r0, r1,
                       out.shape[0], out.strides[0], 24)
@@ -627,6 +703,17 @@ def dot_q8_q5_1_rows(w, r0, r1, xq, xd, xs, out):
 
 
 @njit(cache=True, nogil=True)
+def dot_q8_q5_1_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j):
+    nblk = _nblk_multi_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.shape[1], xd.shape[1],
+                            xs.shape[1], min(xq.shape[0], xd.shape[0], xs.shape[0]), toks, r0, r1, out.shape[1],
+                            out.strides[1], j, out.shape[0], 24)
+    if xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
+        raise ValueError("int8 activation rows are not contiguous")
+    if r1 > r0:
+        _ir_dot_q8_multi_rows(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nblk, Q5_1)
+
+
+@njit(cache=True, nogil=True)
 def dot_q8_q8_0_rows(w, r0, r1, xq, xd, xs, out):
     nblk = _nblk_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.size, xd.size, xs.size, r0, r1,
                       out.shape[0], out.strides[0], 34)
@@ -634,3 +721,14 @@ def dot_q8_q8_0_rows(w, r0, r1, xq, xd, xs, out):
         raise ValueError("int8 activation row is not contiguous")
     if r1 > r0:
         _ir_dot_q8_rows(w, r0, r1 - r0, xq, xd, xs, out, nblk, Q8_0)
+
+
+@njit(cache=True, nogil=True)
+def dot_q8_q8_0_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j):
+    nblk = _nblk_multi_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.shape[1], xd.shape[1],
+                            xs.shape[1], min(xq.shape[0], xd.shape[0], xs.shape[0]), toks, r0, r1, out.shape[1],
+                            out.strides[1], j, out.shape[0], 34)
+    if xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
+        raise ValueError("int8 activation rows are not contiguous")
+    if r1 > r0:
+        _ir_dot_q8_multi_rows(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nblk, Q8_0)

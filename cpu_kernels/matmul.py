@@ -1,7 +1,8 @@
 """Matrix drivers over quantized rows: dense (rows x tokens) and grouped MoE (experts x rows x their tokens).
 
-Parallel over blocks of rows. On the int8 path a task takes its tokens four at a time and runs its rows against
-each group of four with the multi-token row kernels, which unpack a row once for all four; so a task's rows are
+Parallel over blocks of rows. On the int8 path a task takes its tokens four at a time and runs all its rows against
+each group of four in one call of a multi-token row kernel, which unpacks a row once for all four (a call per row
+cost as much as the dots of a row of one or two super-blocks: experts' down rows); so a task's rows are
 read from memory once per call and then stay in L1/L2 while every group uses them, and the group's
 activations stay in L1. A last group of one token (decode is the T=1 case) takes the single-token kernel.
 Weights are uint8 rows in their GGUF layout, read in place from a memory map (GGUF or expert pack) or, for
@@ -24,7 +25,7 @@ from strata_nb.cpu_kernels import actq
 from strata_nb.cpu_kernels.ops import (PLAN_DONE, PLAN_EXPERT, PLAN_IDENT, PLAN_START, PLAN_SLOT, PLAN_TOK,
                                        combine_cols, moe_split, swiglu_quant_row)
 from strata_nb.cpu_kernels.qtypes import FLOAT_TYPES, QUANT_INFO
-from strata_nb.cpu_kernels.rowdot import dequant_row, dot_f32, dot_q8_multi, dot_q8_rows
+from strata_nb.cpu_kernels.rowdot import dequant_row, dot_f32, dot_q8_multi_rows, dot_q8_rows
 
 ROWS_PER_TASK = 16
 
@@ -134,27 +135,19 @@ def _task_f32(qtype, w, x, out, r0, r1, tok_idx, j0, j1):
 
 
 @njit(nogil=True, inline="always")
-def _rows_multi(qtype, w, r0, r1, xq, xd, xs, out, j, toks):
-    """out[j + k, r] = W[r] . token toks[k] for rows r0:r1, each row unpacked once for all of toks."""
-    for r in range(r0, r1):
-        res = dot_q8_multi(qtype, _row(w, r), xq, xd, xs, toks)
-        for k in range(len(toks)):
-            out[j + k, r] = res[k]
-
-
-@njit(nogil=True, inline="always")
 def _task_q8(qtype, w, xq, xd, xs, out, r0, r1, tok_idx, j0, j1):
-    """out[j, r] = W[r] . xq[tok_idx[j]] for rows r0:r1 and entries j0:j1, int8 path, four tokens per unpack."""
-    xqv, xdv, xsv = _noref(xq), _noref(xd), _noref(xs)
+    """out[j, r] = W[r] . xq[tok_idx[j]] for rows r0:r1 and entries j0:j1, int8 path: all the task's rows against
+    four tokens per kernel call, each row unpacked once for the four."""
+    xqv, xdv, xsv, wv, ov = _noref(xq), _noref(xd), _noref(xs), _noref(w), _noref(out)
     j = j0
     while j + 4 <= j1:
-        _rows_multi(qtype, w, r0, r1, xqv, xdv, xsv, out, j,
-                    (tok_idx[j], tok_idx[j + 1], tok_idx[j + 2], tok_idx[j + 3]))
+        dot_q8_multi_rows(qtype, wv, r0, r1, xqv, xdv, xsv, (tok_idx[j], tok_idx[j + 1], tok_idx[j + 2],
+                                                            tok_idx[j + 3]), ov, j)
         j += 4
     if j1 - j == 3:
-        _rows_multi(qtype, w, r0, r1, xqv, xdv, xsv, out, j, (tok_idx[j], tok_idx[j + 1], tok_idx[j + 2]))
+        dot_q8_multi_rows(qtype, wv, r0, r1, xqv, xdv, xsv, (tok_idx[j], tok_idx[j + 1], tok_idx[j + 2]), ov, j)
     elif j1 - j == 2:
-        _rows_multi(qtype, w, r0, r1, xqv, xdv, xsv, out, j, (tok_idx[j], tok_idx[j + 1]))
+        dot_q8_multi_rows(qtype, wv, r0, r1, xqv, xdv, xsv, (tok_idx[j], tok_idx[j + 1]), ov, j)
     elif j1 - j == 1:  # decode: all the task's rows in one kernel call
         t = tok_idx[j]
         dot_q8_rows(qtype, w, r0, r1, _row(xq, t), _row(xd, t), _row(xs, t), _row(out, j))

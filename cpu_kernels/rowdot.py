@@ -12,6 +12,10 @@ Each type module exports, for each of its types T:
                                                   activations), unpacking the row once; bit-identical results
   dot_q8_T_rows(w u8[rows, row_bytes], r0, r1, xq, xd, xs, out f32[rows])   out[r] = dot_q8_T(w[r], ...) for r in
                                                   r0:r1 of one token, in one call (the decode case)
+  dot_q8_T_multi_rows(w u8[rows, row_bytes], r0, r1, xq, xd, xs, toks, out f32[:, rows], j)
+                                                  out[j + k, r] = dot_q8_T(w[r], token toks[k]) for r in r0:r1, in
+                                                  one call (the prompt case: a call per row cost as much as the
+                                                  dots of rows of 1-2 super-blocks)
 The int8 activations of K-quant rows are in groups of 256, those of legacy rows in groups of 32 (actq.group).
 Float weights (F32/F16/BF16) have no int8 path: the fast drivers call dot_f32 for them with the float x.
 """
@@ -34,7 +38,8 @@ _FLOAT = (F32, F16, BF16)
 
 
 def _kernel(kind: str, qtype) -> object:
-    """The row kernel `kind` (dequant, dot_f32, dot_q8, dot_q8_multi, dot_q8_rows) for a literal quant type."""
+    """The row kernel `kind` (dequant, dot_f32, dot_q8, dot_q8_multi, dot_q8_rows, dot_q8_multi_rows) for a
+    literal quant type."""
     if not isinstance(qtype, types.IntegerLiteral):
         raise TypingError(f"rowdot.{kind}: the quant type must be a compile-time constant (got {qtype}); "
                           "call it from a driver specialized per type (matmul.specialize)")
@@ -42,7 +47,7 @@ def _kernel(kind: str, qtype) -> object:
     if qt not in _MODULES or (kind.startswith("dot_q8") and qt in _FLOAT):
         raise TypingError(f"rowdot.{kind}: no kernel for {name(qt)}")
     tag = name(qt).lower()
-    attr = f"dot_q8_{tag}_{kind[7:]}" if kind in ("dot_q8_multi", "dot_q8_rows") else f"{kind}_{tag}"
+    attr = f"dot_q8_{tag}_{kind[7:]}" if kind.startswith("dot_q8_") else f"{kind}_{tag}"
     return getattr(_MODULES[qt], attr)
 
 
@@ -68,6 +73,11 @@ def dot_q8_multi(qtype, w, xq, xd, xs, toks):
 
 def dot_q8_rows(qtype, w, r0, r1, xq, xd, xs, out):
     """out[r] = W[r] . x on int8 activations for rows r0:r1 of the 2-D w (quantized types only)."""
+    raise NotImplementedError("numba only")
+
+
+def dot_q8_multi_rows(qtype, w, r0, r1, xq, xd, xs, toks, out, j):
+    """out[j + k, r] = W[r] . token toks[k] of 2-D activations, for rows r0:r1 of the 2-D w, in one call."""
     raise NotImplementedError("numba only")
 
 
@@ -99,3 +109,9 @@ def _ol_dot_q8_multi(qtype, w, xq, xd, xs, toks):
 def _ol_dot_q8_rows(qtype, w, r0, r1, xq, xd, xs, out):
     k = _kernel("dot_q8_rows", qtype)
     return lambda qtype, w, r0, r1, xq, xd, xs, out: k(w, r0, r1, xq, xd, xs, out)
+
+
+@overload(dot_q8_multi_rows, prefer_literal=True)
+def _ol_dot_q8_multi_rows(qtype, w, r0, r1, xq, xd, xs, toks, out, j):
+    k = _kernel("dot_q8_multi_rows", qtype)
+    return lambda qtype, w, r0, r1, xq, xd, xs, toks, out, j: k(w, r0, r1, xq, xd, xs, toks, out, j)

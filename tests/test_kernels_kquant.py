@@ -10,6 +10,7 @@ scales is exercised. Tolerances (measured worst case on K=2048 rows in brackets)
                  |err| <= 5e-3 * sum|w_i x_i| against the float64 dot on float x: the int8 rounding of x
   dot_q8_multi   bit-identical to dot_q8 on each of its tokens (same float operations in the same order)
   dot_q8_rows    bit-identical to dot_q8 on each of its rows
+  dot_q8_multi_rows  bit-identical to dot_q8 on each of its rows and tokens
 """
 from __future__ import annotations
 
@@ -154,7 +155,7 @@ def test_dot_q8_every_ir_path(name, chunk_dot, rng):
     """Each integer-dot IR path (the one chosen for this CPU and the others it can run) gives the same results,
     bit for bit: the integer sums are exact on every path."""
     bs = TYPES[name][2]
-    _, _, q8, q8m, _ = kq._make_kernels(name, bs, getattr(kq, f"_unpack_{name}"), chunk_dot)
+    _, _, q8, q8m, _, q8mr = kq._make_kernels(name, bs, getattr(kq, f"_unpack_{name}"), chunk_dot)
 
     @njit
     def dot(w, xq, xd, xs):
@@ -163,6 +164,10 @@ def test_dot_q8_every_ir_path(name, chunk_dot, rng):
     @njit
     def dot3(w, xq, xd, xs):
         return q8m(w, xq, xd, xs, (1, 0, 1), w.shape[0] // bs)
+
+    @njit
+    def rows3(w, xq, xd, xs, out):
+        q8mr(w, 0, w.shape[0], xq, xd, xs, (1, 0, 1), out, 0, w.shape[1] // bs)
 
     w = random_rows(name, 4, 1024, rng)
     x = rng.standard_normal((2, 1024)).astype(np.float32)
@@ -175,6 +180,9 @@ def test_dot_q8_every_ir_path(name, chunk_dot, rng):
         singles = [dot(w[r], xq[t], xd[t], xs[t]) for t in (1, 0, 1)]
         np.testing.assert_array_equal(np.array(dot3(w[r], xq, xd, xs), np.float32), np.float32(singles))
         np.testing.assert_array_equal(np.float32(singles[1]), getattr(kq, f"dot_q8_{name}")(w[r], xq[0], xd[0], xs[0]))
+    out = np.empty((3, 4), np.float32)
+    rows3(w, xq, xd, xs, out)
+    np.testing.assert_array_equal(out, np.float32([[dot(w[r], xq[t], xd[t], xs[t]) for r in range(4)] for t in (1, 0, 1)]))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -196,6 +204,36 @@ def test_dot_q8_rows_matches_single(name, rng):
             rows_k(w, r0, r1, xq[0], xd[0], xs[0], out)
     with pytest.raises(StrataError):  # output too short
         rows_k(w, 0, 7, xq[0], xd[0], xs[0], out[:6])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dot_q8_multi_rows_matches_single(name, rng):
+    """The rows x tokens kernel writes exactly the single-row single-token results into out[j + k, r0:r1] and
+    nothing else; rows outside the matrix, output rows outside out and token rows outside the activations are
+    refused."""
+    mr = getattr(kq, f"dot_q8_{name}_multi_rows")
+    single = getattr(kq, f"dot_q8_{name}")
+    w = random_rows(name, 7, 512, rng)
+    xq, xd, xs = quantize(rng.standard_normal((5, 512)).astype(np.float32), 256)
+    want = np.array([[single(w[r], xq[t], xd[t], xs[t]) for r in range(7)] for t in range(5)], np.float32)
+    for (r0, r1), toks, j in (((0, 7), (4, 0, 2, 2), 0), ((2, 5), (1,), 3), ((6, 7), (3, 1), 2), ((3, 3), (0,), 0)):
+        out = np.full((6, 9), np.nan, np.float32)
+        mr(w, r0, r1, xq, xd, xs, toks, out, j)
+        np.testing.assert_array_equal(out[j:j + len(toks), r0:r1], want[list(toks), r0:r1])
+        live = np.zeros(out.shape, bool)
+        live[j:j + len(toks), r0:r1] = True
+        assert np.all(np.isnan(out[~live]))
+    out = np.empty((4, 7), np.float32)
+    bad = [((-1, 3), (0,), 0), ((0, 8), (0,), 0),  # rows outside the matrix
+           ((0, 7), (0, 1), 3), ((0, 7), (0,), -1),  # output rows outside out
+           ((0, 7), (0, 5), 0), ((0, 7), (-1,), 0)]  # token rows outside the activations
+    for (r0, r1), toks, j in bad:
+        with pytest.raises(StrataError):
+            mr(w, r0, r1, xq, xd, xs, toks, out, j)
+    with pytest.raises(StrataError):  # output rows too short
+        mr(w, 0, 7, xq, xd, xs, (0,), out[:, :6], 0)
+    with pytest.raises(StrataError):  # activations of another length
+        mr(w, 0, 7, xq[:, :256], xd[:, :1], xs[:, :16], (0,), out, 0)
 
 
 @pytest.mark.parametrize("name", ["q4_k", "q6_k"])
