@@ -1,14 +1,15 @@
 """Causal GQA attention over the float16 KV cache: decode (one query token, split over the context) and prompt.
 
 Layout: q, out f32[T, H*hd]; kc, vc f16[Hkv, ctx, hd]; query head h reads kv head h // (H / Hkv) (llama.cpp and HF
-order). A block owns one kv head and up to 32 of its query heads (the group, padded to a power of two gp), so every
-K/V row is read once for the whole group. Inside a block each warp takes nk keys per step (their K/V rows loaded
-one step ahead, so loads overlap the math): its 32 lanes hold strided slices of the head dimension (coalesced f16
-loads, q slices in registers), the nk * gp dot products are summed across lanes with a halving butterfly (about one
-exchange per dot product instead of five), and the online softmax runs per warp; the block's warps merge at the
-end. The per-lane loop is generated as straight-line code per (head_dim, gp, warps) so that the compiler keeps its
-arrays in registers. On a GPU the exchanges are warp shuffles; the simulator has none, so there a shared-memory
-round replaces them (or, for one test, emulated shuffles with block barriers: every warp runs the same steps).
+order). A block owns one kv head and up to 32 of its query heads (the group, padded to a power of two gp; a decode
+block at most DECODE_HEADS of them), so a K/V row is read once for the heads of a block. Inside a block each warp
+takes nk keys per step (their K/V rows loaded one step ahead, so loads overlap the math): its 32 lanes hold strided
+slices of the head dimension (coalesced f16 loads, q slices in registers), the nk * gp dot products are summed
+across lanes with a halving butterfly (about one exchange per dot product instead of five), and the online softmax
+runs per warp; the block's warps merge at the end. The per-lane loop is generated as straight-line code per
+(head_dim, gp, warps) so that the compiler keeps its arrays in registers. On a GPU the exchanges are warp shuffles;
+the simulator has none, so there a shared-memory round replaces them (or, for one test, emulated shuffles with block
+barriers: every warp runs the same steps).
 
 Decode splits the context into chunks of max(min_chunk, ceil(len / n_split)) keys (len read from pos0 on the device,
 so one captured graph serves every position); each block writes its chunk's partial (max, sum, unnormalized output)
@@ -33,6 +34,12 @@ _MAX_SPLIT = 1024  # chunks of a decode launch at most
 # shapes, 4 kv heads, ~130 keys, took 9.5 us with 64-key chunks and 9.8 with 16-key ones (bench/gpu/trace_decode.py).
 MIN_CHUNK = 64
 _GPU_WARPS = 8  # warps per attention block on a GPU (kernel_probe.py: 4 warps took 1.2-1.4x as long)
+# Query heads a decode block takes at most (a power of two). Fewer heads per block: more blocks, each with fewer
+# dot products, exchanges and exps per step (a decode launch is latency-bound), and each K/V row read by more
+# blocks (from L2). H100, 32 heads over 4 kv heads (kernel_probe.py, us at 130 / 1,024 / 4,096 keys): 8 heads (the
+# whole group) 18.2 / 23.7 / 63.1, 4 heads 13.5 / 17.6 / 61.4, 2 heads 10.9 / 22.2 / 79.7: 4 is ahead of the whole
+# group at every length. Prompt blocks always take the whole group (their tokens are the parallelism).
+DECODE_HEADS = 4
 _SIM_WARPS = 1  # in the simulator (the butterfly test runs 2, to exercise the merge of warps there)
 # How the simulator sums a warp's dot products: "smem" (one shared-memory round, fast there) or "emul" (the GPU's
 # shuffle butterfly with shuffles emulated through shared memory: slow, a test runs it once on a tiny case).
@@ -405,19 +412,23 @@ def _build(hd: int, gp: int, nw: int, exchange: str, ex):
 
 # -- launch helpers ---------------------------------------------------------------------------------------------
 
-def _group(n_head: int, n_kv: int) -> tuple[int, int, int]:
-    """(query heads per kv head, padded group gp <= 32, blocks per kv head)."""
+def _group(n_head: int, n_kv: int, max_gp: int = 32) -> tuple[int, int, int]:
+    """(query heads per kv head, padded group gp <= max_gp (a power of two <= 32), blocks per kv head)."""
     if n_kv <= 0 or n_head % n_kv:
         raise StrataError(f"attention: {n_head} query heads do not split over {n_kv} kv heads")
     grp = n_head // n_kv
-    gp = 1 << (min(grp, 32) - 1).bit_length()
+    gp = min(1 << (min(grp, 32) - 1).bit_length(), max_gp)
     return grp, gp, (grp + gp - 1) // gp
 
 
 def attention_decode(q, kc, vc, pos0, scale: float, out, scratch, n_split: int, stream,
-                     min_chunk: int = MIN_CHUNK) -> None:
+                     min_chunk: int = MIN_CHUNK, heads: int | None = None) -> None:
     """One query token at position pos0[0] (sees cache 0..pos0[0]); q, out f32[1, H*hd]; kc, vc f16[Hkv, ctx, hd];
-    scratch: decode_scratch(H, hd, n_split). n_split is fixed at capture; chunks hold at least min_chunk keys."""
+    scratch: decode_scratch(H, hd, n_split). n_split is fixed at capture; chunks hold at least min_chunk keys; a
+    block takes at most `heads` query heads (a power of two <= 32; None: DECODE_HEADS)."""
+    heads = DECODE_HEADS if heads is None else heads
+    if heads not in (1, 2, 4, 8, 16, 32):
+        raise StrataError(f"attention_decode: {heads} query heads a block (a power of two up to 32)")
     part_m, part_l, part_o, cnt = scratch
     n_kv, _, hd = kc.shape
     n_head = part_m.shape[0]
@@ -425,7 +436,7 @@ def attention_decode(q, kc, vc, pos0, scale: float, out, scratch, n_split: int, 
             or cnt.shape[0] < n_head:
         raise StrataError(f"attention_decode: scratch shapes {part_m.shape}/{part_o.shape} do not fit "
                           f"n_split={n_split} (at most {_MAX_SPLIT}), head_dim {hd}")
-    grp, gp, n_sub = _group(n_head, n_kv)
+    grp, gp, n_sub = _group(n_head, n_kv, heads)
     sim = bool(config.ENABLE_CUDASIM)
     ntask = n_kv * n_sub * n_split
     blocks = min(ntask, 2) if sim else ntask

@@ -170,9 +170,13 @@ def _cache(seed: int, n_head: int, n_kv: int, hd: int, fill: int):
 ATT_SHAPES = [(H, HKV, HD), (6, 2, 40)]  # the second: a group of 3 (padded to 4) and a head_dim not a multiple of 32
 
 
+@pytest.mark.parametrize("heads", [32, 2, 1])
 @pytest.mark.parametrize("min_chunk", [1, 64])
 @pytest.mark.parametrize("shape", ATT_SHAPES)
-def test_attention_decode(shape, min_chunk, stream) -> None:
+def test_attention_decode(shape, min_chunk, heads, monkeypatch, stream) -> None:
+    """Against the CPU kernel, with a kv head's query heads in one block (32: the whole group) or split over
+    blocks of 2 (the second block of a group of 3 takes one head) or 1."""
+    monkeypatch.setattr(gatt, "DECODE_HEADS", heads)
     nh, nkv, hd = shape
     kc, vc = _cache(3, nh, nkv, hd, CTX)
     scale = 1.0 / math.sqrt(hd)

@@ -4,8 +4,8 @@
 # PROBES="0.5 0.5:GOMP_SPINCOUNT=30000000 1" runs pool_probe.py on the full model (BENCH_MODEL: uniform, or next
 # for Qwen3-Next shapes) once per entry (VRAM
 # share, then the environment of that run), then hybrid_vs_llama.py on it with whatever time is left
-# (BENCH_ARGS=none: no benchmark; BENCH_IF_PASSED=1: none unless the tests passed); TRACE="1 0" runs
-# trace_decode.py at those shares before the probes (TRACE_ARGS passed on, e.g. --warmup-seed 1). PACK=1 packs the numba cache
+# (BENCH_ARGS=none: no benchmark; BENCH_IF_PASSED=1: none unless the tests passed); TRACE="1 0 1:ENV=V" runs
+# trace_decode.py at those shares (then that run's environment) before the probes (TRACE_ARGS passed on, e.g. --warmup-seed 1). PACK=1 packs the numba cache
 # into $OUT for the next call's .gpu/. LAUNCH_PROBE=1 runs launch_probe.py; LLAMA_PACK=1 packs the llama.cpp build
 # into $OUT (after the traces). KERNEL_PROBE=1 runs kernel_probe.py (decode attention variants, small kernels) after
 # the tests.
@@ -46,10 +46,12 @@ if [ -n "${PROBES:-}${TRACE:-}" ] || [ "${BENCH_ARGS:-}" != none ]; then
     bash bench/gpu/synth.sh wait ${SYNTH_WAIT_S:-180} "$MODEL"
     grep -h 'rc .* after' /tmp/models/*.log | tr '\r' '\n' | tail -3
 fi
-for sh in ${TRACE:-}; do  # TRACE="1 0": trace_decode.py at those VRAM shares (TRACE_ARGS: e.g. --warmup-seed 1)
+for p in ${TRACE:-}; do  # TRACE="1 0 1:STRATA_NB_ATT_HEADS=2": trace_decode.py at those VRAM shares (then that run's
+    # environment, as PROBES; TRACE_ARGS: e.g. --warmup-seed 1)
+    sh=${p%%:*}; envs=""; [ "$p" != "$sh" ] && envs=$(echo "${p#*:}" | tr ':' ' ')
     bash bench/gpu/synth.sh wait ${SYNTH_WAIT_S:-180} "$MODEL"
-    ts "trace_decode share $sh ${TRACE_ARGS:-}"
-    timeout -k 10 ${TRACE_S:-150} python3 bench/gpu/trace_decode.py -m "$UNI" --share "$sh" ${TRACE_ARGS:-} 2>&1 | grep -v -i warn | tee -a "$OUT/trace.log"
+    ts "trace_decode share $sh $envs ${TRACE_ARGS:-}"
+    timeout -k 10 ${TRACE_S:-150} env $envs python3 bench/gpu/trace_decode.py -m "$UNI" --share "$sh" ${TRACE_ARGS:-} 2>&1 | grep -v -i warn | tee -a "$OUT/trace.log"
 done
 if [ "${LAUNCH_PROBE:-0}" = 1 ]; then  # graph launch host cost and gate latency (launch_probe.py)
     ts "launch_probe"

@@ -6,8 +6,8 @@ Qwen3-30B-A3B's attention shapes (32 query heads over 4 kv heads of 128 dims, fl
 graph of `reps` launches replayed 5 times (median, per launch): "warm" back to back (code and data in L2), "cold"
 with a kernel that writes 160 MB between launches (L2 flushed: weights, KV rows and kernel code come from HBM, as
 in a decode token where ~30 MB of weights pass through L2 between one layer's launch of a kernel and the next),
-less the same graph of flushes alone. Attention variants: warps per block x the least keys per chunk (the
-engine's 8 x 64 first, then the same with the accurate exp; outputs compared with the first). Then QK-norm + rope + KV append, route top-k, the router's
+less the same graph of flushes alone. Attention variants: warps per block x the least keys per chunk x the query
+heads a block takes (the engine's first, then the same with the accurate exp; outputs compared with the first). Then QK-norm + rope + KV append, route top-k, the router's
 matrix-vector launch (F32 128 x 2048 with the RMSNorm fused) at several block shapes, and an empty kernel (the
 floor of a launch inside a graph), warm and cold.
 """
@@ -97,14 +97,17 @@ def main() -> None:
           f"{a.reps})")
     print("| keys | variant | n_split | blocks | warm | cold | max rel diff vs the first |")
     print("|---|---|---|---|---|---|---|")
-    engine_warps = A._GPU_WARPS
+    engine_warps, engine_heads = A._GPU_WARPS, A.DECODE_HEADS
     for n in keys:
         pos.copy_to_device(np.array([n - 1], np.int32))
         ref = None
-        for nw, mc, fast in ((engine_warps, A.MIN_CHUNK, True), (engine_warps, A.MIN_CHUNK, False), (4, 64, True),
-                             (8, 32, True), (8, 16, True)):
+        for nw, mc, fast, heads in ((engine_warps, A.MIN_CHUNK, True, engine_heads),
+                                    (engine_warps, A.MIN_CHUNK, False, engine_heads), (4, 64, True, engine_heads),
+                                    (8, 32, True, engine_heads), (8, 16, True, engine_heads), (8, 64, True, 4),
+                                    (8, 64, True, 2), (8, 64, True, 1), (8, 32, True, 2), (4, 64, True, 2)):
             A._GPU_WARPS = nw  # (the simulator runs its own one warp)
             A._FAST_EXP = fast
+            A.DECODE_HEADS = heads
             want = max(1, (4 * n_sm) // NKV)
             ns = int(max(1, min(A._MAX_SPLIT, want, -(-(n + 128) // mc))))
             scratch = A.decode_scratch(NH, HD, ns)
@@ -122,9 +125,11 @@ def main() -> None:
             diff = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
             chunk = max(mc, -(-n // ns))
             ex = "" if fast else ", exact exp"
-            print(f"| {n} | {nw} warps, >= {mc} keys{ex} | {ns} | {NKV * ns} ({NKV * -(-n // chunk)} live) | {warm:.2f} | "
-                  f"{cold:.2f} | {diff:.2e} |")
-    A._GPU_WARPS, A._FAST_EXP = engine_warps, True
+            _, gp, n_sub = A._group(NH, NKV, heads)
+            nb = NKV * n_sub
+            print(f"| {n} | {nw} warps, >= {mc} keys, {gp} heads a block{ex} | {ns} | {nb * ns} "
+                  f"({nb * -(-n // chunk)} live) | {warm:.2f} | {cold:.2f} | {diff:.2e} |")
+    A._GPU_WARPS, A._FAST_EXP, A.DECODE_HEADS = engine_warps, True, engine_heads
 
     # QK-norm + rope + KV append, route top-k (128 experts, top 8)
     qf = cuda.to_device(rng.standard_normal((1, NH * HD)).astype(np.float32))

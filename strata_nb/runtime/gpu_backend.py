@@ -202,6 +202,11 @@ class GPUBackend:
         # Decode matrix-vector kernels with int8 activations (cuda_kernels/matvec_q8.py) with the fast kernels;
         # STRATA_NB_GPU_Q8=0 keeps the float32 ones (the A/B switch)
         self.q8 = self.fast and os.environ.get("STRATA_NB_GPU_Q8", "1") != "0"
+        # Query heads a decode attention block takes at most (cuda_kernels/attention.DECODE_HEADS; the A/B switch)
+        heads = os.environ.get("STRATA_NB_ATT_HEADS", str(katt.DECODE_HEADS))
+        if heads not in ("1", "2", "4", "8", "16", "32"):
+            raise StrataError(f"STRATA_NB_ATT_HEADS={heads}: query heads a block, a power of two up to 32")
+        self.att_heads = int(heads)
         self.dev = w
         tm, k = self.ntok_max, max(s.n_expert_used, 1)
         f32 = np.float32

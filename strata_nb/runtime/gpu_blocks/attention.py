@@ -31,7 +31,8 @@ def attention(b: "GPUBackend", l: int, T: int) -> list["Op"]:
                                               b.pos, T, stream))
     scale = 1.0 / math.sqrt(s.head_dim)
     if T == 1:
-        ops.append(lambda stream: katt.attention_decode(b.q, kc, vc, b.pos, scale, b.att, b.parts, b.n_split, stream))
+        ops.append(lambda stream: katt.attention_decode(b.q, kc, vc, b.pos, scale, b.att, b.parts, b.n_split, stream,
+                                                        heads=b.att_heads))
     else:
         ops.append(lambda stream: katt.attention_prompt(b.q, kc, vc, b.pos, scale, b.att, T, stream))
     if gated:
