@@ -20,6 +20,7 @@ import pytest
 from gguf.quants import dequantize
 from numba import njit
 
+from row_checks import check_multi_rows  # tests/row_checks.py
 from strata_nb.cpu_kernels import dot_kquant as kq
 from strata_nb.cpu_kernels.actq import quantize
 from strata_nb.cpu_kernels.ir import host_features
@@ -215,25 +216,7 @@ def test_dot_q8_multi_rows_matches_single(name, rng):
     single = getattr(kq, f"dot_q8_{name}")
     w = random_rows(name, 7, 512, rng)
     xq, xd, xs = quantize(rng.standard_normal((5, 512)).astype(np.float32), 256)
-    want = np.array([[single(w[r], xq[t], xd[t], xs[t]) for r in range(7)] for t in range(5)], np.float32)
-    for (r0, r1), toks, j in (((0, 7), (4, 0, 2, 2), 0), ((2, 5), (1,), 3), ((6, 7), (3, 1), 2), ((3, 3), (0,), 0)):
-        out = np.full((6, 9), np.nan, np.float32)
-        mr(w, r0, r1, xq, xd, xs, toks, out, j)
-        np.testing.assert_array_equal(out[j:j + len(toks), r0:r1], want[list(toks), r0:r1])
-        live = np.zeros(out.shape, bool)
-        live[j:j + len(toks), r0:r1] = True
-        assert np.all(np.isnan(out[~live]))
-    out = np.empty((4, 7), np.float32)
-    bad = [((-1, 3), (0,), 0), ((0, 8), (0,), 0),  # rows outside the matrix
-           ((0, 7), (0, 1), 3), ((0, 7), (0,), -1),  # output rows outside out
-           ((0, 7), (0, 5), 0), ((0, 7), (-1,), 0)]  # token rows outside the activations
-    for (r0, r1), toks, j in bad:
-        with pytest.raises(StrataError):
-            mr(w, r0, r1, xq, xd, xs, toks, out, j)
-    with pytest.raises(StrataError):  # output rows too short
-        mr(w, 0, 7, xq, xd, xs, (0,), out[:, :6], 0)
-    with pytest.raises(StrataError):  # activations of another length
-        mr(w, 0, 7, xq[:, :256], xd[:, :1], xs[:, :16], (0,), out, 0)
+    check_multi_rows(mr, single, w, xq, xd, xs, StrataError, (xq[:, :256], xd[:, :1], xs[:, :16]))
 
 
 @pytest.mark.parametrize("name", ["q4_k", "q6_k"])

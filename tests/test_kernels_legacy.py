@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize
 
+from row_checks import check_multi_rows  # tests/row_checks.py
 from strata_nb.cpu_kernels import dot_float as fl
 from strata_nb.cpu_kernels import dot_legacy as lg
 from strata_nb.cpu_kernels.actq import quantize
@@ -192,25 +193,7 @@ def test_legacy_dot_q8_multi_rows_matches_single(name):
     nblk = 9
     w = np.stack([legacy_row(name, nblk, rng) for _ in range(7)])
     xq, xd, xs = quantize(np.stack([activations(nblk * 32, rng) for _ in range(5)]))
-    want = np.array([[single(w[r], xq[t], xd[t], xs[t]) for r in range(7)] for t in range(5)], np.float32)
-    for (r0, r1), toks, j in (((0, 7), (4, 0, 2, 2), 0), ((2, 5), (1,), 3), ((6, 7), (3, 1), 2), ((3, 3), (0,), 0)):
-        out = np.full((6, 9), np.nan, np.float32)
-        mr(w, r0, r1, xq, xd, xs, toks, out, j)
-        np.testing.assert_array_equal(out[j:j + len(toks), r0:r1], want[list(toks), r0:r1])
-        live = np.zeros(out.shape, bool)
-        live[j:j + len(toks), r0:r1] = True
-        assert np.all(np.isnan(out[~live]))
-    out = np.empty((4, 7), np.float32)
-    bad = [((-1, 3), (0,), 0), ((0, 8), (0,), 0),  # rows outside the matrix
-           ((0, 7), (0, 1), 3), ((0, 7), (0,), -1),  # output rows outside out
-           ((0, 7), (0, 5), 0), ((0, 7), (-1,), 0)]  # token rows outside the activations
-    for (r0, r1), toks, j in bad:
-        with pytest.raises(ValueError):
-            mr(w, r0, r1, xq, xd, xs, toks, out, j)
-    with pytest.raises(ValueError):  # output rows too short
-        mr(w, 0, 7, xq, xd, xs, (0,), out[:, :6], 0)
-    with pytest.raises(ValueError):  # activations of another length
-        mr(w, 0, 7, xq[:, :256], xd[:, :8], xs[:, :16], (0,), out, 0)
+    check_multi_rows(mr, single, w, xq, xd, xs, ValueError, (xq[:, :256], xd[:, :8], xs[:, :16]))
 
 
 @pytest.mark.parametrize("name", list(LEGACY))
