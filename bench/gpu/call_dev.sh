@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # Device call during development (carry [".gpu"]): the GPU test files, the matrix kernels' launch shapes
-# (VARIANTS="4x4,4x2,..." runs matvec_variants.py), per-kernel decode times on the 2-layer model, then
-# PROBES="0.5 0.5:GOMP_SPINCOUNT=30000000 1" runs pool_probe.py on the full model (BENCH_MODEL: uniform, or next
-# for Qwen3-Next shapes) once per entry (VRAM
-# share, then the environment of that run), then hybrid_vs_llama.py on it with whatever time is left
-# (BENCH_ARGS=none: no benchmark; BENCH_IF_PASSED=1: none unless the tests passed); TRACE="1 0 1:ENV=V" runs
-# trace_decode.py at those shares (then that run's environment) before the probes (TRACE_ARGS passed on, e.g. --warmup-seed 1). PACK=1 packs the numba cache
-# into $OUT for the next call's .gpu/. LAUNCH_PROBE=1 runs launch_probe.py; LLAMA_PACK=1 packs the llama.cpp build
-# into $OUT (after the traces). KERNEL_PROBE=1 runs kernel_probe.py (decode attention variants, small kernels) after
-# the tests.
+# (VARIANTS="4x4,4x2,..." runs matvec_variants.py), per-kernel decode times on the 2-layer model, then PROBES="0.5
+# 0.5:GOMP_SPINCOUNT=30000000 1" runs pool_probe.py on the full model (BENCH_MODEL: uniform, or next for Qwen3-Next
+# shapes) once per entry (VRAM share, then the environment of that run), then hybrid_vs_llama.py on it with whatever
+# time is left (BENCH_ARGS=none: no benchmark; BENCH_IF_PASSED=1: none unless the tests passed); TRACE="1 0 1:ENV=V"
+# runs trace_decode.py at those shares (then that run's environment) before the probes (TRACE_ARGS passed on, e.g.
+# --warmup-seed 1). PACK=1 packs the numba cache into $OUT for the next call's .gpu/. LAUNCH_PROBE=1 runs
+# launch_probe.py; LLAMA_PACK=1 packs the llama.cpp build into $OUT (after the traces). KERNEL_PROBE=1 runs
+# kernel_probe.py (decode attention variants, small kernels) after the tests.
 set -uo pipefail
 BUDGET=${CALL_BUDGET:-560}
 OUT=${OUT:-/tmp/gpu-out}

@@ -7,9 +7,9 @@ graph of `reps` launches replayed 5 times (median, per launch): "warm" back to b
 with a kernel that writes 160 MB between launches (L2 flushed: weights, KV rows and kernel code come from HBM, as
 in a decode token where ~30 MB of weights pass through L2 between one layer's launch of a kernel and the next),
 less the same graph of flushes alone. Attention variants: warps per block x the least keys per chunk x the query
-heads a block takes (the engine's first, then the same with the accurate exp; outputs compared with the first). Then QK-norm + rope + KV append, route top-k, the router's
-matrix-vector launch (F32 128 x 2048 with the RMSNorm fused) at several block shapes, and an empty kernel (the
-floor of a launch inside a graph), warm and cold.
+heads a block takes (the engine's first, then the same with the accurate exp; outputs compared with the first).
+Then QK-norm + rope + KV append, route top-k, the router's matrix-vector launch (F32 128 x 2048 with the RMSNorm
+fused) at several block shapes, and an empty kernel (the floor of a launch inside a graph), warm and cold.
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def main() -> None:
         ref = None
         for nw, mc, fast, heads in ((engine_warps, A.MIN_CHUNK, True, engine_heads),
                                     (engine_warps, A.MIN_CHUNK, False, engine_heads), (4, 64, True, engine_heads),
-                                    (8, 32, True, engine_heads), (8, 16, True, engine_heads), (8, 64, True, 4),
+                                    (8, 32, True, engine_heads), (8, 16, True, engine_heads), (8, 64, True, 8),
                                     (8, 64, True, 2), (8, 64, True, 1), (8, 32, True, 2), (4, 64, True, 2)):
             A._GPU_WARPS = nw  # (the simulator runs its own one warp)
             A._FAST_EXP = fast
