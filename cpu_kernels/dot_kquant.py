@@ -454,9 +454,17 @@ def _check_tokens(toks, ntok):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _check_out_rows(j, n, nout):
-    if j < 0 or j + n > nout:
+def _nb_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j, bs):
+    """Super-blocks per row for a dot_q8_multi_rows call: rows r0:r1 of the matrix against tokens toks of 2-D
+    activations, into out[j:j + len(toks), r0:r1]. It takes the arrays (the checks above take lengths): it is
+    inlined, and the drivers pass views without a meminfo (matmul._noref), so no reference count is touched."""
+    nb = _check_rows(w.shape[0], w.strides[0], w.shape[1], bs, r0, r1, out.shape[1], out.strides[1])
+    _nblocks(w.shape[1], w.strides[1], bs, xq.shape[1], xq.strides[1], 1)
+    _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
+    _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
+    if j < 0 or j + len(toks) > out.shape[0]:
         raise StrataError("K-quant rows: output rows out of range")
+    return nb
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -522,12 +530,8 @@ def dot_q8_q2_k_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.nda
 
 @njit(cache=True, nogil=True)
 def dot_q8_q2_k_multi_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
-                    toks: tuple, out: np.ndarray, j: int) -> None:
-    nb = _check_rows(w.shape[0], w.strides[0], w.shape[1], 84, r0, r1, out.shape[1], out.strides[1])
-    _nblocks(w.shape[1], w.strides[1], 84, xq.shape[1], xq.strides[1], 1)
-    _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
-    _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
-    _check_out_rows(j, len(toks), out.shape[0])
+                            toks: tuple, out: np.ndarray, j: int) -> None:
+    nb = _nb_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j, 84)
     if r1 > r0:
         _q8mr_q2_k(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nb)
 
@@ -569,12 +573,8 @@ def dot_q8_q3_k_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.nda
 
 @njit(cache=True, nogil=True)
 def dot_q8_q3_k_multi_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
-                    toks: tuple, out: np.ndarray, j: int) -> None:
-    nb = _check_rows(w.shape[0], w.strides[0], w.shape[1], 110, r0, r1, out.shape[1], out.strides[1])
-    _nblocks(w.shape[1], w.strides[1], 110, xq.shape[1], xq.strides[1], 1)
-    _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
-    _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
-    _check_out_rows(j, len(toks), out.shape[0])
+                            toks: tuple, out: np.ndarray, j: int) -> None:
+    nb = _nb_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j, 110)
     if r1 > r0:
         _q8mr_q3_k(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nb)
 
@@ -616,12 +616,8 @@ def dot_q8_q4_k_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.nda
 
 @njit(cache=True, nogil=True)
 def dot_q8_q4_k_multi_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
-                    toks: tuple, out: np.ndarray, j: int) -> None:
-    nb = _check_rows(w.shape[0], w.strides[0], w.shape[1], 144, r0, r1, out.shape[1], out.strides[1])
-    _nblocks(w.shape[1], w.strides[1], 144, xq.shape[1], xq.strides[1], 1)
-    _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
-    _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
-    _check_out_rows(j, len(toks), out.shape[0])
+                            toks: tuple, out: np.ndarray, j: int) -> None:
+    nb = _nb_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j, 144)
     if r1 > r0:
         _q8mr_q4_k(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nb)
 
@@ -663,12 +659,8 @@ def dot_q8_q5_k_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.nda
 
 @njit(cache=True, nogil=True)
 def dot_q8_q5_k_multi_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
-                    toks: tuple, out: np.ndarray, j: int) -> None:
-    nb = _check_rows(w.shape[0], w.strides[0], w.shape[1], 176, r0, r1, out.shape[1], out.strides[1])
-    _nblocks(w.shape[1], w.strides[1], 176, xq.shape[1], xq.strides[1], 1)
-    _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
-    _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
-    _check_out_rows(j, len(toks), out.shape[0])
+                            toks: tuple, out: np.ndarray, j: int) -> None:
+    nb = _nb_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j, 176)
     if r1 > r0:
         _q8mr_q5_k(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nb)
 
@@ -710,11 +702,7 @@ def dot_q8_q6_k_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.nda
 
 @njit(cache=True, nogil=True)
 def dot_q8_q6_k_multi_rows(w: np.ndarray, r0: int, r1: int, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
-                    toks: tuple, out: np.ndarray, j: int) -> None:
-    nb = _check_rows(w.shape[0], w.strides[0], w.shape[1], 210, r0, r1, out.shape[1], out.strides[1])
-    _nblocks(w.shape[1], w.strides[1], 210, xq.shape[1], xq.strides[1], 1)
-    _check_scales(nb, xd.shape[1], xd.strides[1], xs.shape[1], xs.strides[1])
-    _check_tokens(toks, min(xq.shape[0], xd.shape[0], xs.shape[0]))
-    _check_out_rows(j, len(toks), out.shape[0])
+                            toks: tuple, out: np.ndarray, j: int) -> None:
+    nb = _nb_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j, 210)
     if r1 > r0:
         _q8mr_q6_k(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nb)

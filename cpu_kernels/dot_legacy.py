@@ -491,15 +491,19 @@ def _nblk_rows(wrows, wrow_stride, wbytes, wstride, nxq, nxd, nxs, r0, r1, nout,
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _nblk_multi_rows(wrows, wrow_stride, wbytes, wstride, nxq, nxd, nxs, ntok, toks, r0, r1, nout, ostride, j,
-                     nout_rows, bb):
+def _nblk_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j, bb):
     """Blocks per row for a dot_q8_multi_rows call: rows r0:r1 of the matrix against tokens toks of 2-D
-    activations, into out[j:j + len(toks), r0:r1]."""
-    nblk = _nblk_rows(wrows, wrow_stride, wbytes, wstride, nxq, nxd, nxs, r0, r1, nout, ostride, bb)
+    activations, into out[j:j + len(toks), r0:r1]. It takes the arrays (the checks above take lengths): it is
+    inlined, and the drivers pass views without a meminfo (matmul._noref), so no reference count is touched."""
+    nblk = _nblk_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.shape[1], xd.shape[1], xs.shape[1],
+                      r0, r1, out.shape[1], out.strides[1], bb)
+    if xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
+        raise ValueError("int8 activation rows are not contiguous")
+    ntok = min(xq.shape[0], xd.shape[0], xs.shape[0])
     for t in toks:
         if t < 0 or t >= ntok:
             raise ValueError("token index out of range of the activation rows")
-    if j < 0 or j + len(toks) > nout_rows:
+    if j < 0 or j + len(toks) > out.shape[0]:
         raise ValueError("output rows out of range")
     return nblk
 
@@ -641,11 +645,7 @@ def dot_q8_q4_0_rows(w, r0, r1, xq, xd, xs, out):
 
 @njit(cache=True, nogil=True)
 def dot_q8_q4_0_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j):
-    nblk = _nblk_multi_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.shape[1], xd.shape[1],
-                            xs.shape[1], min(xq.shape[0], xd.shape[0], xs.shape[0]), toks, r0, r1, out.shape[1],
-                            out.strides[1], j, out.shape[0], 18)
-    if xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
-        raise ValueError("int8 activation rows are not contiguous")
+    nblk = _nblk_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j, 18)
     if r1 > r0:
         _ir_dot_q8_multi_rows(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nblk, Q4_0)
 
@@ -662,11 +662,7 @@ def dot_q8_q4_1_rows(w, r0, r1, xq, xd, xs, out):
 
 @njit(cache=True, nogil=True)
 def dot_q8_q4_1_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j):
-    nblk = _nblk_multi_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.shape[1], xd.shape[1],
-                            xs.shape[1], min(xq.shape[0], xd.shape[0], xs.shape[0]), toks, r0, r1, out.shape[1],
-                            out.strides[1], j, out.shape[0], 20)
-    if xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
-        raise ValueError("int8 activation rows are not contiguous")
+    nblk = _nblk_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j, 20)
     if r1 > r0:
         _ir_dot_q8_multi_rows(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nblk, Q4_1)
 
@@ -683,11 +679,7 @@ def dot_q8_q5_0_rows(w, r0, r1, xq, xd, xs, out):
 
 @njit(cache=True, nogil=True)
 def dot_q8_q5_0_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j):
-    nblk = _nblk_multi_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.shape[1], xd.shape[1],
-                            xs.shape[1], min(xq.shape[0], xd.shape[0], xs.shape[0]), toks, r0, r1, out.shape[1],
-                            out.strides[1], j, out.shape[0], 22)
-    if xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
-        raise ValueError("int8 activation rows are not contiguous")
+    nblk = _nblk_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j, 22)
     if r1 > r0:
         _ir_dot_q8_multi_rows(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nblk, Q5_0)
 
@@ -704,11 +696,7 @@ def dot_q8_q5_1_rows(w, r0, r1, xq, xd, xs, out):
 
 @njit(cache=True, nogil=True)
 def dot_q8_q5_1_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j):
-    nblk = _nblk_multi_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.shape[1], xd.shape[1],
-                            xs.shape[1], min(xq.shape[0], xd.shape[0], xs.shape[0]), toks, r0, r1, out.shape[1],
-                            out.strides[1], j, out.shape[0], 24)
-    if xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
-        raise ValueError("int8 activation rows are not contiguous")
+    nblk = _nblk_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j, 24)
     if r1 > r0:
         _ir_dot_q8_multi_rows(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nblk, Q5_1)
 
@@ -725,10 +713,6 @@ def dot_q8_q8_0_rows(w, r0, r1, xq, xd, xs, out):
 
 @njit(cache=True, nogil=True)
 def dot_q8_q8_0_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j):
-    nblk = _nblk_multi_rows(w.shape[0], w.strides[0], w.shape[1], w.strides[1], xq.shape[1], xd.shape[1],
-                            xs.shape[1], min(xq.shape[0], xd.shape[0], xs.shape[0]), toks, r0, r1, out.shape[1],
-                            out.strides[1], j, out.shape[0], 34)
-    if xq.strides[1] != 1 or xd.strides[1] != 4 or xs.strides[1] != 4:
-        raise ValueError("int8 activation rows are not contiguous")
+    nblk = _nblk_multi_rows(w, r0, r1, xq, xd, xs, toks, out, j, 34)
     if r1 > r0:
         _ir_dot_q8_multi_rows(w, r0, r1 - r0, xq, xd, xs, toks, out, j, nblk, Q8_0)
