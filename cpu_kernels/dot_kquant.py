@@ -27,7 +27,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from strata_nb.cpu_kernels.ir import array_ptr, host_features
+from strata_nb.cpu_kernels.ir import array_ptr, each_row, host_features, row_ptrs
 from strata_nb.errors import StrataError
 
 QK = 256
@@ -257,14 +257,6 @@ def _zeros(b: ir.IRBuilder, n: int, count: int) -> list:
     return accs
 
 
-def _row_ptrs(context, builder, arrty, arr, elem: ir.Type, rows: list) -> list:
-    """Pointers (to elem) at the start of the given rows (intp values) of a 2-D array."""
-    ary = context.make_array(arrty)(context, builder, arr)
-    stride = cgutils.unpack_tuple(builder, ary.strides)[0]
-    base = builder.bitcast(ary.data, _PI8)
-    return [builder.bitcast(builder.gep(base, [builder.mul(r, stride)]), elem.as_pointer()) for r in rows]
-
-
 def _make_kernels(name: str, bs: int, unpack, chunk_dot):
     """Build the row intrinsics of one type: dequant(w, out, nb), dot_f32(w, x, nb), dot_q8(w, xq, xd, xs, nb),
     dot_q8_multi(w, xq, xd, xs, toks, nb) on 2-D activations and dot_q8_rows(w, r0, n, xq, xd, xs, out, nb) on
@@ -367,7 +359,7 @@ def _make_kernels(name: str, bs: int, unpack, chunk_dot):
             b = builder
             wp = array_ptr(context, b, sig.args[0], args[0], _I8)
             ts = [context.cast(b, b.extract_value(args[4], k), ty, types.intp) for k, ty in enumerate(sig.args[4])]
-            rows = [_row_ptrs(context, b, sig.args[j], args[j], e, ts) for j, e in ((1, _I8), (2, _F32), (3, _F32))]
+            rows = [row_ptrs(context, b, sig.args[j], args[j], e, ts) for j, e in ((1, _I8), (2, _F32), (3, _F32))]
             res = q8_row(b, wp, args[5], list(zip(*rows)))
             return context.make_tuple(b, sig.return_type, res)
 
@@ -385,9 +377,8 @@ def _make_kernels(name: str, bs: int, unpack, chunk_dot):
             w0 = b.gep(array_ptr(context, b, sig.args[0], args[0], _I8), [b.mul(r0, rb)])
             op = b.gep(array_ptr(context, b, sig.args[6], args[6], _F32), [r0])
             tok = tok_ptrs(context, b, sig, args, 3)
-            with cgutils.for_range(b, context.cast(b, args[2], sig.args[2], types.intp)) as loop:
-                j = loop.index
-                b.store(q8_row(b, b.gep(w0, [b.mul(j, rb)]), args[7], [tok])[0], b.gep(op, [j]))
+            each_row(b, w0, rb, context.cast(b, args[2], sig.args[2], types.intp),
+                     lambda p: q8_row(b, p, args[7], [tok]), [op])
             return context.get_dummy_value()
 
         return types.void(w, r0, n, xq, xd, xs, out, nb), codegen
@@ -401,15 +392,12 @@ def _make_kernels(name: str, bs: int, unpack, chunk_dot):
             r0 = context.cast(b, args[1], sig.args[1], types.intp)
             w0 = b.gep(array_ptr(context, b, sig.args[0], args[0], _I8), [b.mul(r0, rb)])
             ts = [context.cast(b, b.extract_value(args[6], k), ty, types.intp) for k, ty in enumerate(sig.args[6])]
-            rows = [_row_ptrs(context, b, sig.args[i], args[i], e, ts) for i, e in ((3, _I8), (4, _F32), (5, _F32))]
+            rows = [row_ptrs(context, b, sig.args[i], args[i], e, ts) for i, e in ((3, _I8), (4, _F32), (5, _F32))]
             j = context.cast(b, args[8], sig.args[8], types.intp)
-            ops = [b.gep(p, [r0]) for p in _row_ptrs(context, b, sig.args[7], args[7], _F32,
+            ops = [b.gep(p, [r0]) for p in row_ptrs(context, b, sig.args[7], args[7], _F32,
                                                       [b.add(j, ir.Constant(_I64, k)) for k in range(len(ts))])]
-            with cgutils.for_range(b, context.cast(b, args[2], sig.args[2], types.intp)) as loop:
-                i = loop.index
-                res = q8_row(b, b.gep(w0, [b.mul(i, rb)]), args[9], list(zip(*rows)))
-                for k, v in enumerate(res):
-                    b.store(v, b.gep(ops[k], [i]))
+            each_row(b, w0, rb, context.cast(b, args[2], sig.args[2], types.intp),
+                     lambda p: q8_row(b, p, args[9], list(zip(*rows))), ops)
             return context.get_dummy_value()
 
         if not isinstance(toks, types.BaseTuple) or not all(isinstance(t, types.Integer) for t in toks):

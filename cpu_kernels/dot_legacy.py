@@ -23,7 +23,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from strata_nb.cpu_kernels.ir import array_ptr, host_features
+from strata_nb.cpu_kernels.ir import array_ptr, each_row, host_features, row_ptrs
 from strata_nb.cpu_kernels.qtypes import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
 PREFETCH_BYTES = 4096
@@ -371,14 +371,6 @@ def _ir_dot_q8(typingctx, w, xq, xd, xs, nblk, qt):
     return types.float32(w, xq, xd, xs, types.int64, qt), codegen
 
 
-def _row_ptrs(context, builder, arrty, arr, elem: ir.Type, rows: list) -> list:
-    """Pointers (to elem) at the start of the given rows (intp values) of a 2-D array."""
-    ary = context.make_array(arrty)(context, builder, arr)
-    stride = cgutils.unpack_tuple(builder, ary.strides)[0]
-    base = builder.bitcast(ary.data, _PI8)
-    return [builder.bitcast(builder.gep(base, [builder.mul(r, stride)]), elem.as_pointer()) for r in rows]
-
-
 @intrinsic(prefer_literal=True)
 def _ir_dot_q8_multi(typingctx, w, xq, xd, xs, toks, nblk, qt):
     """Tokens toks (a tuple of row indices) of the 2-D xq, xd, xs; returns a tuple of their dots."""
@@ -388,7 +380,7 @@ def _ir_dot_q8_multi(typingctx, w, xq, xd, xs, toks, nblk, qt):
         wp = array_ptr(context, builder, sig.args[0], args[0])
         ts = [context.cast(builder, builder.extract_value(args[4], k), ty, types.intp)
               for k, ty in enumerate(sig.args[4])]
-        rows = [_row_ptrs(context, builder, sig.args[j], args[j], e, ts) for j, e in ((1, _I8), (2, _F32), (3, _F32))]
+        rows = [row_ptrs(context, builder, sig.args[j], args[j], e, ts) for j, e in ((1, _I8), (2, _F32), (3, _F32))]
         res = _q8_rows(builder, wp, builder.sext(args[5], _I64), decode, bb, list(zip(*rows)))
         return context.make_tuple(builder, sig.return_type, res)
 
@@ -412,9 +404,8 @@ def _ir_dot_q8_rows(typingctx, w, r0, n, xq, xd, xs, out, nblk, qt):
         op = b.gep(array_ptr(context, b, sig.args[6], args[6], _F32), [r0])
         tok = (array_ptr(context, b, sig.args[3], args[3]), array_ptr(context, b, sig.args[4], args[4], _F32),
                array_ptr(context, b, sig.args[5], args[5], _F32))
-        with cgutils.for_range(b, context.cast(b, args[2], sig.args[2], types.intp)) as loop:
-            j = loop.index
-            b.store(_q8_rows(b, b.gep(w0, [b.mul(j, rb)]), nblk, decode, bb, [tok])[0], b.gep(op, [j]))
+        each_row(b, w0, rb, context.cast(b, args[2], sig.args[2], types.intp),
+                 lambda p: _q8_rows(b, p, nblk, decode, bb, [tok]), [op])
         return context.get_dummy_value()
 
     return types.void(w, r0, n, xq, xd, xs, out, types.int64, qt), codegen
@@ -433,15 +424,12 @@ def _ir_dot_q8_multi_rows(typingctx, w, r0, n, xq, xd, xs, toks, out, j, nblk, q
         r0 = context.cast(b, args[1], sig.args[1], types.intp)
         w0 = b.gep(array_ptr(context, b, sig.args[0], args[0]), [b.mul(r0, rb)])
         ts = [context.cast(b, b.extract_value(args[6], k), ty, types.intp) for k, ty in enumerate(sig.args[6])]
-        rows = [_row_ptrs(context, b, sig.args[i], args[i], e, ts) for i, e in ((3, _I8), (4, _F32), (5, _F32))]
+        rows = [row_ptrs(context, b, sig.args[i], args[i], e, ts) for i, e in ((3, _I8), (4, _F32), (5, _F32))]
         j = context.cast(b, args[8], sig.args[8], types.intp)
-        ops = [b.gep(p, [r0]) for p in _row_ptrs(context, b, sig.args[7], args[7], _F32,
+        ops = [b.gep(p, [r0]) for p in row_ptrs(context, b, sig.args[7], args[7], _F32,
                                                   [b.add(j, _c(k)) for k in range(len(ts))])]
-        with cgutils.for_range(b, context.cast(b, args[2], sig.args[2], types.intp)) as loop:
-            i = loop.index
-            res = _q8_rows(b, b.gep(w0, [b.mul(i, rb)]), nblk, decode, bb, list(zip(*rows)))
-            for k, v in enumerate(res):
-                b.store(v, b.gep(ops[k], [i]))
+        each_row(b, w0, rb, context.cast(b, args[2], sig.args[2], types.intp),
+                 lambda p: _q8_rows(b, p, nblk, decode, bb, list(zip(*rows))), ops)
         return context.get_dummy_value()
 
     if not isinstance(toks, types.BaseTuple) or not all(isinstance(t, types.Integer) for t in toks):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
+from numba.core import cgutils
 
 _I8 = ir.IntType(8)
 
@@ -25,3 +26,20 @@ def array_ptr(context, builder, arrty, arr, elem: ir.Type = _I8) -> ir.Value:
     """Pointer (to elem, bytes by default) at the first element of a numba array value."""
     ary = context.make_array(arrty)(context, builder, arr)
     return builder.bitcast(ary.data, elem.as_pointer())
+
+
+def row_ptrs(context, builder, arrty, arr, elem: ir.Type, rows: list) -> list:
+    """Pointers (to elem) at the start of the given rows (intp values) of a 2-D numba array value."""
+    ary = context.make_array(arrty)(context, builder, arr)
+    stride = cgutils.unpack_tuple(builder, ary.strides)[0]
+    base = builder.bitcast(ary.data, _I8.as_pointer())
+    return [builder.bitcast(builder.gep(base, [builder.mul(r, stride)]), elem.as_pointer()) for r in rows]
+
+
+def each_row(builder, w0: ir.Value, row_bytes: ir.Value, n: ir.Value, row_dots, outs: list) -> None:
+    """For i < n: row_dots(pointer to row i, at w0 + i * row_bytes) -> one float per output, stored at outs[k] + i
+    (the loop of the rows kernels: one token's row or a group of tokens' rows of out)."""
+    with cgutils.for_range(builder, n) as loop:
+        i = loop.index
+        for o, v in zip(outs, row_dots(builder.gep(w0, [builder.mul(i, row_bytes)]))):
+            builder.store(v, builder.gep(o, [i]))
