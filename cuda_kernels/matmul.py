@@ -9,7 +9,8 @@ rows (lane l takes units l, l+32, ...: adjacent lanes read adjacent weight words
 once for all its rows, as s * (q . x) - mn * sum(x) per run of 4. Lane partial sums are reduced with warp
 shuffles. Rows longer than MV_CHUNK elements are staged in chunks. Fusions, each saving a launch per layer:
 - dense: up to three matrices reading the same row in one launch (Q, K and V; the router and the shared expert's
-  gate and up), with the RMSNorm of the row fused (and the normalized row written out once for later kernels);
+  gate and up), with the RMSNorm of the row fused (and the normalized row written out once for later kernels, as
+  floats and in the int8 form the experts' int8 kernels of matvec_q8.py read);
 - gate_up: an expert's gate and up rows by the same warp, SwiGLU in the epilogue;
 - down: a token's resident experts' down rows, weighted by the router and added to the residual stream.
 Prompt (ntok > 1): a warp takes tiles of R rows x TT tokens: a lane decodes each of its units once per tile into
@@ -27,6 +28,7 @@ import numpy as np
 from numba import cuda, float32, float64, uint64
 from numba.core import config
 
+from strata_nb.cpu_kernels.qtypes import Q8_0
 from strata_nb.cpu_kernels.qtypes import name as qname
 from strata_nb.cuda_kernels import matvec_q8 as kq8
 from strata_nb.cuda_kernels.block import block_sum
@@ -43,6 +45,11 @@ MV_WARPS_WIDE = 1 if SIM else 8  # dense launches of long rows (see _mv_shape), 
 # decode graph (bench/gpu/trace_decode.py, Qwen3-30B-A3B shapes, 8 choices of 2048 x 768 Q6_K) 15.4 us a launch at
 # 8 warps x 2 rows against 22.7 at 4 x 4 (a warp's choices ran one after the other)
 MV_ROWS_DOWN = 2
+# the int8 down kernel's rows a block (its warps take different choices): H100, kernel_probe.py, 8 choices of Q6_K
+# 2048 x 768, us warm / L2-flushed: 8 warps x 4 rows 12.98 / 17.10, x 2 rows 16.07 / 19.55, x 1 row 15.50 / 16.32
+MV_ROWS_DOWN_Q8 = 1 if SIM else 4
+# the int8 gate+up kernel: 32 rows a block (h's int8 blocks are of 32 elements), 8 warps of 4 rows on a GPU
+GU_WARPS, GU_ROWS = (1, 32) if SIM else (8, 4)
 MV_CHUNK = 256 if SIM else 8192  # activation elements staged in shared memory at a time (32 KB)
 TILE_WARPS, TILE_ROWS, TILE_TOKS = (1, 2, 2) if SIM else (4, 4, 8)
 EMBED_THREADS = 32 if SIM else 256
@@ -166,10 +173,11 @@ def _chunks(k: int) -> tuple[int, int]:
     return MV_CHUNK, -(-k // MV_CHUNK)
 
 
-def _dense_fn(types: tuple, k: int, rows: int, warps: int, norm: bool):
+def _dense_fn(types: tuple, k: int, rows: int, warps: int, norm: bool, q8_out: bool = False):
     """The matrix-vector kernel for up to three matrices (types: their (qtype, word) pairs) reading one activation
-    row of k elements, RMS-normalized when norm, by blocks of `warps` warps of `rows` rows each (memoized)."""
-    key = ("dense", types, k, rows, warps, norm)
+    row of k elements, RMS-normalized when norm, by blocks of `warps` warps of `rows` rows each; q8_out: the blocks
+    also write the normalized row's int8 form to gq/gd/gs (matvec_q8.q8_shapes), a share each. Memoized."""
+    key = ("dense", types, k, rows, warps, norm, q8_out)
     if key in _KERNELS:
         return _KERNELS[key]
     dots = [_dot_rows(qt, wd, rows) for qt, wd in types]
@@ -183,7 +191,7 @@ def _dense_fn(types: tuple, k: int, rows: int, warps: int, norm: bool):
     def dense(x, nw, eps, xo, write_xo,
               w8a, wva, wha, rba, na, oa, acca, nba,
               w8b, wvb, whb, rbb, nb, ob, accb, nbb,
-              w8c, wvc, whc, rbc, nc, oc, accc):
+              w8c, wvc, whc, rbc, nc, oc, accc, gq, gd, gs):
         xs = cuda.shared.array(ch, float32)
         red = cuda.shared.array(_RED, float32)
         q = cuda.local.array(UNIT, float32)
@@ -231,6 +239,8 @@ def _dense_fn(types: tuple, k: int, rows: int, warps: int, norm: bool):
             if write_xo and b == 0:
                 for i in range(tid, k, nthr):
                     xo[0, _U(i)] = x[0, _U(i)] * inv * nw[_U(i)]
+            if q8_out:  # a share of the row a block, one word a thread at most (block 0 alone took ~1.3 us more)
+                kq8.quantize_row(x, nw, inv, k, gq, gd, gs, b * nthr + tid, cuda.gridDim.x * nthr)
         _warp_reduce(acc, rows, red)
         if lane == 0:
             for o in range(rows):
@@ -563,6 +573,21 @@ def _check_act(what: str, a, nrow: int, ncol: int) -> None:
         raise StrataError(f"GPU matmul: {what} must be float32 [>={nrow}, {ncol}], got {a.dtype} {a.shape}")
 
 
+def _check_q8(what: str, q8, nrow: int, k: int) -> None:
+    """q8: (xq, xd, xs) device arrays of the int8 form of >= nrow rows of k elements (matvec_q8.q8_shapes)."""
+    if len(q8) != 3:
+        raise StrataError(f"GPU matmul: the int8 form of {what} is (words, scales, sums), got {len(q8)} arrays")
+    for a, (n, dt) in zip(q8, kq8.q8_shapes(k)):
+        if len(a.shape) != 2 or a.shape[0] < nrow or a.shape[1] != n or a.dtype != dt:
+            raise StrataError(f"GPU matmul: the int8 form of {what} must be {np.dtype(dt)} [>={nrow}, {n}], got "
+                              f"{a.dtype} {a.shape}")
+
+
+def q8_rows_ok(k: int) -> bool:
+    """Whether rows of k elements have a global int8 form (matvec_q8.q8_shapes) the kernels read and write."""
+    return kq8.supports((Q8_0,), k)
+
+
 def _pairs(x):
     """Activations f32[T, K] (C-contiguous) as uint64 pairs [T, K/2], the kernels' view of them; no copy."""
     try:
@@ -612,11 +637,12 @@ def matmul(qtype: int, w, x, out, ntok: int, stream, accumulate: bool = False, q
                                                               ntok, int(accumulate))
 
 
-def matvec(mats, x, stream, norm=None, eps: float = 0.0, x_out=None, q8: bool = False) -> None:
+def matvec(mats, x, stream, norm=None, eps: float = 0.0, x_out=None, q8: bool = False, q8_out=None) -> None:
     """For each (qtype, w, out, accumulate) of mats (one to three matrices of the same row length K):
     out[0, r] (+)= dequant(w[r]) . xn, where xn = x[0] or, with norm (f32[K]), rmsnorm(x[0]) * norm (eps as
-    cuda_kernels.ops.rmsnorm); x_out f32[>=1, K], if given with norm, receives xn. One launch; q8: with xn
-    quantized to int8 (cuda_kernels/matvec_q8.py) where every matrix's type has that kernel."""
+    cuda_kernels.ops.rmsnorm); x_out f32[>=1, K], if given with norm, receives xn, and q8_out (q8_rows_ok(K)) xn's
+    int8 form (matvec_q8.q8_shapes: what moe_gate_up reads). One launch; q8: with xn quantized to int8
+    (cuda_kernels/matvec_q8.py) where every matrix's type has that kernel."""
     if not 1 <= len(mats) <= 3:
         raise StrataError(f"GPU matvec: 1 to 3 matrices per launch, got {len(mats)}")
     if norm is None and x_out is not None:
@@ -645,12 +671,19 @@ def matvec(mats, x, stream, norm=None, eps: float = 0.0, x_out=None, q8: bool = 
         raise StrataError(f"GPU matvec: norm weight of {norm.shape[0]} for rows of {k}")
     nw = norm if norm is not None else x[0]
     xo = x_out if x_out is not None else x
+    if q8_out is not None:
+        if norm is None or not q8_rows_ok(k):
+            raise StrataError(f"GPU matvec: the int8 form of the row is written with a norm, for rows of a multiple"
+                              f" of 256 elements (got {k}{'' if norm is not None else ', no norm'})")
+        _check_q8("x_out", q8_out, 1, k)
+    qo = q8_out is not None
     if q8 and kq8.supports([t for t, _ in types], k):
-        fn = kq8.dense_fn(tuple(types), k, rows, warps, norm is not None, _RED)
+        fn = kq8.dense_fn(tuple(types), k, rows, warps, norm is not None, _RED, qo)
     else:
-        fn = _dense_fn(tuple(types), k, rows, warps, norm is not None)
+        fn = _dense_fn(tuple(types), k, rows, warps, norm is not None, qo)
     fn[sum(blocks), LANES * warps, stream](x, nw, float(eps), xo, int(x_out is not None),
-                                              *args[0], blocks[0], *args[1], blocks[1], *args[2])
+                                              *args[0], blocks[0], *args[1], blocks[1], *args[2],
+                                              *(q8_out if qo else (x, x, x)))
 
 
 def embed(qtype: int, table, tokens, out, ntok: int, stream) -> None:
@@ -682,11 +715,12 @@ def _slot_views(slots, qtype: int, mat_off: int, nrows: int, row_bytes: int):
     return _views(slots, lay.word4 and row_bytes % 4 == 0 and mat_off % 4 == 0 and slot_bytes % 4 == 0)
 
 
-def moe_gate_up(gate, up, slots, nrows: int, slot_of, ids, x, h, ntok: int, stream, q8: bool = False) -> None:
+def moe_gate_up(gate, up, slots, nrows: int, slot_of, ids, x, h, ntok: int, stream, xq8=None, hq8=None) -> None:
     """h[i, r] = silu(G_s[r] . x[t]) * (U_s[r] . x[t]) for every entry i = t*k + j whose expert has a VRAM slot
     s = slot_of[ids[t, j]] >= 0; other entries keep what they held. gate, up: (qtype, byte offset in a slot,
     row bytes) of the nrows x K matrices; slots u8[n_slots, slot_bytes]; slot_of int32[E]; ids int32[>=ntok, k];
-    x f32[>=ntok, K]; h f32[>=ntok*k, nrows]. q8: x quantized to int8 where both types have that kernel."""
+    x f32[>=ntok, K]; h f32[>=ntok*k, nrows]. xq8: x's rows in their int8 form (matvec_q8.q8_shapes(K)), used
+    where both types have int8 kernels; hq8: h's rows also written in that form (for moe_down), with xq8 only."""
     if ntok <= 0:
         return
     (qg, og, rbg), (qu, ou, rbu) = gate, up
@@ -700,13 +734,23 @@ def moe_gate_up(gate, up, slots, nrows: int, slot_of, ids, x, h, ntok: int, stre
     nent = ntok * ids.shape[1]
     _check_act("x", x, ntok, k)
     _check_act("h", h, nent, nrows)
+    if xq8 is not None and kq8.supports((qg, qu), k):
+        _check_q8("x", xq8, ntok, k)
+        quant = hq8 is not None
+        if quant:
+            if not q8_rows_ok(nrows):
+                raise StrataError(f"GPU experts: an int8 h needs rows of a multiple of 256 elements, got {nrows}")
+            _check_q8("h", hq8, nent, nrows)
+        grid = (-(-nrows // (GU_ROWS * GU_WARPS)), min(nent, MAX_GRID_Y))
+        fn = kq8.gate_up_fn((qg, wdg), (qu, wdu), k, GU_ROWS, GU_WARPS, quant)
+        fn[grid, LANES * GU_WARPS, stream](w8g, wvg, whg, w8u, wvu, whu, slots.shape[1], og, ou, rbg, rbu, nrows,
+                                           slot_of, ids, *xq8, h, *(hq8 if quant else xq8), ntok)
+        return
+    if hq8 is not None:
+        raise StrataError("GPU experts: an int8 h comes from the int8 kernel (xq8, types with int8 kernels)")
     rows = _mv_rows(nrows * nent)
     grid = (-(-nrows // (rows * MV_WARPS)), min(nent, MAX_GRID_Y))
-    if q8 and kq8.supports((qg, qu), k):
-        fn = kq8.gate_up_fn((qg, wdg), (qu, wdu), k, rows, MV_WARPS)
-    else:
-        fn = _gate_up_fn((qg, wdg), (qu, wdu), k, rows)
-    fn[grid, LANES * MV_WARPS, stream](
+    _gate_up_fn((qg, wdg), (qu, wdu), k, rows)[grid, LANES * MV_WARPS, stream](
         w8g, wvg, whg, w8u, wvu, whu, slots.shape[1], og, ou, rbg, rbu, nrows, slot_of, ids, x, h, ntok)
 
 
@@ -727,10 +771,11 @@ def moe_tiled(mat, slots, nrows: int, grouping, x, div: int, out, stream) -> Non
                                                                    nrows, tiles, ntiles, order, div, _pairs(x), out)
 
 
-def moe_down(down, slots, nrows: int, slot_of, ids, wts, h, out, ntok: int, stream) -> None:
+def moe_down(down, slots, nrows: int, slot_of, ids, wts, h, out, ntok: int, stream, hq8=None) -> None:
     """out[t, r] += sum over j (in order) of wts[t, j] * (D_s[r] . h[t*k + j]) over the choices whose expert has a
     VRAM slot s = slot_of[ids[t, j]] >= 0. down: (qtype, byte offset in a slot, row bytes) of the nrows x F
-    matrix; h f32[>=ntok*k, F]; wts f32[>=ntok, k]; out f32[>=ntok, nrows] (the residual stream)."""
+    matrix; h f32[>=ntok*k, F]; wts f32[>=ntok, k]; out f32[>=ntok, nrows] (the residual stream). hq8: h's rows
+    in their int8 form (moe_gate_up's hq8), used where the type has an int8 kernel."""
     if ntok <= 0:
         return
     qd, od, rbd = down
@@ -740,7 +785,13 @@ def moe_down(down, slots, nrows: int, slot_of, ids, wts, h, out, ntok: int, stre
         raise StrataError(f"GPU experts: ids {ids.shape} / weights {wts.shape} do not fit {ntok} tokens")
     _check_act("h", h, ntok * ids.shape[1], f)
     _check_act("out", out, ntok, nrows)
-    rows = MV_ROWS_DOWN
+    q8 = hq8 is not None and kq8.supports((qd,), f)
+    rows = MV_ROWS_DOWN_Q8 if q8 else MV_ROWS_DOWN
     grid = (-(-nrows // rows), min(ntok, MAX_GRID_Y))
+    if q8:
+        _check_q8("h", hq8, ntok * ids.shape[1], f)
+        kq8.down_fn((qd, wd), f, rows, MV_WARPS_WIDE)[grid, LANES * MV_WARPS_WIDE, stream](
+            w8, wv, wh, slots.shape[1], od, rbd, nrows, slot_of, ids, wts, *hq8, out, ntok)
+        return
     _down_fn((qd, wd), f, rows)[grid, LANES * MV_WARPS_WIDE, stream](w8, wv, wh, slots.shape[1], od, rbd,
                                                                       nrows, slot_of, ids, wts, h, out, ntok)

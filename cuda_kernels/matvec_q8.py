@@ -8,9 +8,13 @@ lane unpacks 4 weights at a time with a mask and a shift and multiplies them by 
 32-weight unit costs ~45 instructions. The weights' scales and mins apply once per 16 or 32 weights, to an exact
 integer sum; the mins use xs (sum of the weights' x) as the CPU fast path uses its bsums.
 
-Same kernel arguments and launch as matmul.py's dense and gate_up kernels (matmul.matvec and moe_gate_up choose
-between them): only the inner dot differs. Types: Q4_K, Q6_K, Q8_0 (nearly every byte of a Q4_K_M file); rows of a
-multiple of 128 elements (a warp quantizes 128 at a time). Anything else takes the float kernels.
+The dense kernel takes matmul.py's dense arguments and launch (matmul.matvec chooses between them). The experts'
+kernels work on a global int8 form of their activations (q8_shapes: what a block would stage): the routing launch
+writes x's (dense_fn's q8_out, or matmul's float kernel for an F32 router), gate_up_fn reads it with no staging
+pass and no barrier before its first weight loads (a block's stage and sync were ~1.5 us of every expert launch)
+and writes h's int8 form in its epilogue (a block owns 32 rows: one int8 block of h), which down_fn reads (8
+choices of h as floats were 3x the bytes of their int8 form, read by every block). Types: Q4_K, Q6_K, Q8_0 (nearly
+every byte of a Q4_K_M file); rows of a multiple of 256 elements. Anything else takes the float kernels.
 
 Units: unit v of a row covers 32 weights in two halves of 16 (a, b), each half with one weight scale:
   Q4_K  v = 8b + 2g + h: qs bytes 32g+16h..+15; low nibbles -> elements 64g+16h.. (chunk 2g), high nibbles ->
@@ -116,19 +120,19 @@ def _q8(v, inv):
 
 if SIM:
     @cuda.jit(device=True)
-    def _stage(x, t, nw, norm, k, xq, xd, xs, nthr):
-        """Row t of x (times nw where norm) quantized into xq/xd/xs; returns this thread's sum of squares of the
-        raw row (for the norm). One simulated thread takes whole 32-element blocks."""
-        tid = cuda.threadIdx.x
+    def _stage(x, t, nw, norm, k, xq, xd, xs, start, stride, scale):
+        """Words start, start + stride, ... of row t of x (times nw where norm) times scale quantized into
+        xq/xd/xs; returns this thread's sum of squares of them (for the norm). One simulated thread takes whole
+        32-element blocks (blocks start, start + stride, ...)."""
         ss = _ZERO
-        for blk in range(tid, k >> 5, nthr):
+        for blk in range(start, k >> 5, stride):
             a = _ZERO
             for e in range(32):
                 v = x[t, _U(32 * blk + e)]
                 if norm:
                     ss += v * v
                     v = v * nw[_U(32 * blk + e)]
-                a = max(a, abs(v))
+                a = max(a, abs(v * scale))
             inv = _I127 / a if a > _ZERO else _ZERO
             d = a / _I127
             for hh in range(2):
@@ -140,7 +144,7 @@ if SIM:
                         v = x[t, _U(i)]
                         if norm:
                             v = v * nw[_U(i)]
-                        qv = int(_q8(v, inv))
+                        qv = int(_q8(v * scale, inv))
                         wd |= qv << (8 * e)
                         qs += qv - 256 if qv > 127 else qv
                     xq[8 * blk + 4 * hh + j] = np.uint32(wd)
@@ -149,14 +153,14 @@ if SIM:
         return ss
 else:
     @cuda.jit(**_DEV)
-    def _stage(x, t, nw, norm, k, xq, xd, xs, nthr):
-        """Row t of x (times nw where norm) quantized into xq/xd/xs; returns this thread's sum of squares of the
-        raw row (for the norm). A thread takes 4 elements (one word) at a time, 8 adjacent lanes one 32-element
-        block (their maximum and sums by shuffles): k % 128 == 0 keeps whole warps inside the loop."""
-        tid = cuda.threadIdx.x
-        lane = tid & LANE_MASK
+    def _stage(x, t, nw, norm, k, xq, xd, xs, start, stride, scale):
+        """Words start, start + stride, ... of row t of x (times nw where norm) times scale quantized into
+        xq/xd/xs (shared or global memory); returns this thread's sum of squares of them (for the norm). A thread
+        takes 4 elements (one word) at a time, 8 adjacent lanes one 32-element block (their maximum and sums by
+        shuffles): k % 128 == 0 and start, stride multiples of 32 a warp keep whole warps inside the loop."""
+        lane = cuda.threadIdx.x & LANE_MASK
         ss = _ZERO
-        for w in range(tid, k >> 2, nthr):
+        for w in range(start, k >> 2, stride):
             i = 4 * w
             v0 = x[t, _U(i)]
             v1 = x[t, _U(i + 1)]
@@ -168,6 +172,7 @@ else:
                 v1 *= nw[_U(i + 1)]
                 v2 *= nw[_U(i + 2)]
                 v3 *= nw[_U(i + 3)]
+            v0, v1, v2, v3 = v0 * scale, v1 * scale, v2 * scale, v3 * scale
             a = max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3)))
             a = max(a, cuda.shfl_xor_sync(_FULL, a, 1))
             a = max(a, cuda.shfl_xor_sync(_FULL, a, 2))
@@ -309,10 +314,24 @@ else:
             acc[c] = v
 
 
-def dense_fn(types_: tuple, k: int, rows: int, warps: int, norm: bool, red_len: int):
-    """The int8 twin of matmul._dense_fn (same arguments and launch): up to three matrices (types_: (qtype, word)
-    pairs) reading one row of k elements, RMS-normalized when norm. Memoized."""
-    key = ("dense", types_, k, rows, warps, norm)
+@cuda.jit(**_DEV)
+def quantize_row(x, nw, scale, k, gq, gd, gs, start, stride):
+    """Words start, start + stride, ... of row 0 of x times nw times scale in its global int8 form (gq/gd/gs,
+    q8_shapes); start and stride multiples of 32 per warp (whole warps take part in the shuffles)."""
+    _stage(x, 0, nw, True, k, gq[0], gd[0], gs[0], start, stride, scale)
+
+
+def q8_shapes(k: int) -> tuple[tuple[int, type], tuple[int, type], tuple[int, type]]:
+    """Row lengths and dtypes of the global int8 form of rows of k elements (xq, xd, xs: as the blocks stage it):
+    kernels that read it need no staging pass and no barrier before their first weight load."""
+    return (k // 4, np.uint32), (k // 32, np.float32), (k // 16, np.float32)
+
+
+def dense_fn(types_: tuple, k: int, rows: int, warps: int, norm: bool, red_len: int, q8_out: bool = False):
+    """The int8 twin of matmul._dense_fn (same arguments and launch, plus gq/gd/gs): up to three matrices (types_:
+    (qtype, word) pairs) reading one row of k elements, RMS-normalized when norm; q8_out: block 0 also writes the
+    normalized row's int8 form to gq/gd/gs (q8_shapes). Memoized."""
+    key = ("dense", types_, k, rows, warps, norm, q8_out)
     if key in _KERNELS:
         return _KERNELS[key]
     dots = [_dot_fn(qt, wd, rows) for qt, wd in types_]
@@ -324,7 +343,7 @@ def dense_fn(types_: tuple, k: int, rows: int, warps: int, norm: bool, red_len: 
     def dense(x, nw, eps, xo, write_xo,
               w8a, wva, wha, rba, na, oa, acca, nba,
               w8b, wvb, whb, rbb, nb, ob, accb, nbb,
-              w8c, wvc, whc, rbc, nc, oc, accc):
+              w8c, wvc, whc, rbc, nc, oc, accc, gq, gd, gs):
         xq = cuda.shared.array(kw, uint32)
         xd = cuda.shared.array(kb, float32)
         xs = cuda.shared.array(ks, float32)
@@ -341,7 +360,7 @@ def dense_fn(types_: tuple, k: int, rows: int, warps: int, norm: bool, red_len: 
         for o in range(rows):
             acc[o] = _ZERO
         # x * weight is quantized; the norm's 1/rms, a factor of every dot product, is applied to the sums
-        ss = _stage(x, 0, nw, norm, k, xq, xd, xs, nthr)
+        ss = _stage(x, 0, nw, norm, k, xq, xd, xs, tid, nthr, _ONE)
         cuda.syncthreads()
         if m == 0:
             d0(w8a, wva, wha, 0, rba, r0, na - 1, nunits, xq, xd, xs, s, mn, acc, 0)
@@ -349,6 +368,7 @@ def dense_fn(types_: tuple, k: int, rows: int, warps: int, norm: bool, red_len: 
             d1(w8b, wvb, whb, 0, rbb, r0, nb - 1, nunits, xq, xd, xs, s, mn, acc, 0)
         else:
             d2(w8c, wvc, whc, 0, rbc, r0, nc - 1, nunits, xq, xd, xs, s, mn, acc, 0)
+        inv = _ONE
         if norm:  # as cuda_kernels.ops.rmsnorm: the mean and eps in float64, the scale in float32
             tot = block_sum(red, ss)
             inv = _ONE / float32(math.sqrt(float64(tot) / k + eps))
@@ -357,6 +377,14 @@ def dense_fn(types_: tuple, k: int, rows: int, warps: int, norm: bool, red_len: 
             if write_xo and b == 0:
                 for i in range(tid, k, nthr):
                     xo[0, _U(i)] = x[0, _U(i)] * inv * nw[_U(i)]
+        if q8_out:  # int8 quantization is scale-free: only the scales and sums take 1/rms; a share a block
+            nall = cuda.gridDim.x * nthr
+            for i in range(b * nthr + tid, kw, nall):
+                gq[0, _U(i)] = xq[i]
+            for i in range(b * nthr + tid, kb, nall):
+                gd[0, _U(i)] = xd[i] * inv
+            for i in range(b * nthr + tid, ks, nall):
+                gs[0, _U(i)] = xs[i] * inv
         _warp_reduce(acc, rows)
         if lane == 0:
             for o in range(rows):
@@ -375,52 +403,163 @@ def dense_fn(types_: tuple, k: int, rows: int, warps: int, norm: bool, red_len: 
     return dense
 
 
-def gate_up_fn(tg: tuple, tu: tuple, k: int, rows: int, warps: int):
-    """The int8 twin of matmul._gate_up_fn (same arguments and launch): the experts' gate and up rows over VRAM
-    slots, SwiGLU in the epilogue. Memoized."""
-    key = ("gate_up", tg, tu, k, rows, warps)
+if SIM:
+    @cuda.jit(device=True)
+    def _quant_block(hv, lane, hq, hd, hs, i, e0):
+        """hv[0:32] quantized as one int8 block into row i of hq/hd/hs at element e0 (the one simulated thread)."""
+        a = _ZERO
+        for e in range(32):
+            a = max(a, abs(hv[e]))
+        inv = _I127 / a if a > _ZERO else _ZERO
+        d = a / _I127
+        for hh in range(2):
+            qs = 0
+            for j in range(4):
+                wd = 0
+                for e in range(4):
+                    qv = int(_q8(hv[16 * hh + 4 * j + e], inv))
+                    wd |= qv << (8 * e)
+                    qs += qv - 256 if qv > 127 else qv
+                hq[i, (e0 >> 2) + 4 * hh + j] = np.uint32(wd)
+            hs[i, (e0 >> 4) + hh] = d * np.float32(qs)
+        hd[i, e0 >> 5] = d
+else:
+    @cuda.jit(**_DEV)
+    def _quant_block(hv, lane, hq, hd, hs, i, e0):
+        """hv[0:32] quantized as one int8 block into row i of hq/hd/hs at element e0, by one warp (lane l takes
+        element l: the maximum and the 16-element sums by shuffles, 4 lanes' bytes ORed into a word)."""
+        v = hv[lane]
+        a = abs(v)
+        a = max(a, cuda.shfl_xor_sync(_FULL, a, 16))
+        a = max(a, cuda.shfl_xor_sync(_FULL, a, 8))
+        a = max(a, cuda.shfl_xor_sync(_FULL, a, 4))
+        a = max(a, cuda.shfl_xor_sync(_FULL, a, 2))
+        a = max(a, cuda.shfl_xor_sync(_FULL, a, 1))
+        inv = _I127 / a if a > _ZERO else _ZERO
+        q = _q8(v, inv)
+        wd = int32(q << uint32(8 * (lane & 3)))  # shuffled as int32 (numba's shuffles take signed words)
+        wd |= cuda.shfl_xor_sync(_FULL, wd, 1)
+        wd |= cuda.shfl_xor_sync(_FULL, wd, 2)
+        qs = int32(q ^ uint32(0x80)) - int32(128)  # the byte as a signed int8
+        qs += cuda.shfl_xor_sync(_FULL, qs, 1)
+        qs += cuda.shfl_xor_sync(_FULL, qs, 2)
+        qs += cuda.shfl_xor_sync(_FULL, qs, 4)
+        qs += cuda.shfl_xor_sync(_FULL, qs, 8)
+        d = a / _I127
+        if (lane & 3) == 0:
+            hq[i, _U((e0 >> 2) + (lane >> 2))] = uint32(wd)
+        if (lane & 15) == 0:
+            hs[i, _U((e0 >> 4) + (lane >> 4))] = d * float32(qs)
+        if lane == 0:
+            hd[i, _U(e0 >> 5)] = d
+
+
+def gate_up_fn(tg: tuple, tu: tuple, k: int, rows: int, warps: int, quant_h: bool):
+    """The int8 form of matmul._gate_up_fn: the experts' gate and up rows over VRAM slots against x already in
+    its global int8 form (q8_shapes; the routing launch writes it), so the first weight loads issue at once, with
+    no staging pass or barrier before them; SwiGLU in the epilogue. quant_h (a block's rows * warps == 32): h is
+    also written in int8 form (hq/hd/hs), the input of down_fn. Memoized."""
+    key = ("gate_up", tg, tu, k, rows, warps, quant_h)
     if key in _KERNELS:
         return _KERNELS[key]
+    if quant_h and rows * warps != 32:
+        raise ValueError("gate_up_fn: quant_h needs 32 rows a block")
     dg, du = _dot_fn(*tg, rows), _dot_fn(*tu, rows)
     rows2 = 2 * rows
-    nthr, nunits = warps * LANES, k // 32
-    kw, kb, ks = k // 4, k // 32, k // 16
+    nunits = k // 32
 
     @cuda.jit(cache=True)
-    def gate_up(w8g, wvg, whg, w8u, wvu, whu, slot_bytes, off_g, off_u, rbg, rbu, nrows, slot_of, ids, x, h,
-                ntok):
-        xq = cuda.shared.array(kw, uint32)
-        xd = cuda.shared.array(kb, float32)
-        xs = cuda.shared.array(ks, float32)
+    def gate_up(w8g, wvg, whg, w8u, wvu, whu, slot_bytes, off_g, off_u, rbg, rbu, nrows, slot_of, ids,
+                xq, xd, xs, h, hq, hd, hs, ntok):
+        hv = cuda.shared.array(32, float32)
         s = cuda.local.array(4, float32)
         mn = cuda.local.array(4, float32)
         acc = cuda.local.array(rows2, float32)  # gate rows, then up rows
         tid = cuda.threadIdx.x
         lane = tid & LANE_MASK
+        w = tid >> WARP_SHIFT
         kk = ids.shape[1]
-        r0 = (cuda.blockIdx.x * warps + (tid >> WARP_SHIFT)) * rows
-        staged = -1  # the token whose row xq holds
+        r0 = (cuda.blockIdx.x * warps + w) * rows
         for i in range(cuda.blockIdx.y, ntok * kk, cuda.gridDim.y):
             t = i // kk
             slot = slot_of[_U(ids[_U(t), _U(i - t * kk)])]
             if slot >= 0:  # the same for the whole block: its barriers are safe
-                if t != staged:
-                    cuda.syncthreads()  # every warp is done with the previous row
-                    _stage(x, t, x[0], False, k, xq, xd, xs, nthr)
-                    cuda.syncthreads()
-                    staged = t
                 base = slot * slot_bytes
                 for o in range(rows2):
                     acc[o] = _ZERO
-                dg(w8g, wvg, whg, base + off_g, rbg, r0, nrows - 1, nunits, xq, xd, xs, s, mn, acc, 0)
-                du(w8u, wvu, whu, base + off_u, rbu, r0, nrows - 1, nunits, xq, xd, xs, s, mn, acc, rows)
+                dg(w8g, wvg, whg, base + off_g, rbg, r0, nrows - 1, nunits, xq[_U(t)], xd[_U(t)], xs[_U(t)], s, mn,
+                   acc, 0)
+                du(w8u, wvu, whu, base + off_u, rbu, r0, nrows - 1, nunits, xq[_U(t)], xd[_U(t)], xs[_U(t)], s, mn,
+                   acc, rows)
                 _warp_reduce(acc, rows2)
                 if lane == 0:
                     for o in range(rows):
                         if r0 + o < nrows:
                             g = acc[o]
                             # exp's argument capped: silu(g) is 0 to float32 precision below -80 (no overflow)
-                            h[_U(i), _U(r0 + o)] = g / (_ONE + float32(math.exp(min(-g, _EXP_CAP)))) * acc[rows + o]
+                            v = g / (_ONE + float32(math.exp(min(-g, _EXP_CAP)))) * acc[rows + o]
+                            h[_U(i), _U(r0 + o)] = v
+                            if quant_h:
+                                hv[w * rows + o] = v
+                if quant_h:
+                    cuda.syncthreads()
+                    if w == 0:
+                        _quant_block(hv, lane, hq, hd, hs, i, cuda.blockIdx.x * 32)
+                    cuda.syncthreads()  # hv is read before the next entry writes it
 
     _KERNELS[key] = gate_up
     return gate_up
+
+
+def down_fn(td: tuple, k: int, rows: int, warps: int):
+    """The int8 form of matmul._down_fn (same launch): the experts' down rows against h in its int8 form (written
+    by gate_up_fn), weighted and summed over a token's resident choices into the residual stream; a block's warps
+    take different choices of its rows, their sums meeting in shared memory in warp order. Memoized."""
+    key = ("down", td, k, rows, warps)
+    if key in _KERNELS:
+        return _KERNELS[key]
+    dd = _dot_fn(*td, rows)
+    nunits = k // 32
+    nthr, red_len = warps * LANES, warps * rows
+
+    @cuda.jit(cache=True)
+    def down(w8, wv, wh, slot_bytes, off, rb, nrows, slot_of, ids, wts, hq, hd, hs, out, ntok):
+        red = cuda.shared.array(red_len, float32)
+        s = cuda.local.array(4, float32)
+        mn = cuda.local.array(4, float32)
+        acc = cuda.local.array(rows, float32)
+        accj = cuda.local.array(rows, float32)
+        tid = cuda.threadIdx.x
+        lane = tid & LANE_MASK
+        w = tid >> WARP_SHIFT
+        kk = ids.shape[1]
+        r0 = cuda.blockIdx.x * rows
+        for t in range(cuda.blockIdx.y, ntok, cuda.gridDim.y):
+            for o in range(rows):
+                acc[o] = _ZERO
+            for j in range(w, kk, warps):
+                slot = slot_of[_U(ids[_U(t), _U(j)])]
+                if slot >= 0:  # the same for the whole warp
+                    for o in range(rows):
+                        accj[o] = _ZERO
+                    e = t * kk + j
+                    dd(w8, wv, wh, slot * slot_bytes + off, rb, r0, nrows - 1, nunits, hq[_U(e)], hd[_U(e)],
+                       hs[_U(e)], s, mn, accj, 0)
+                    wj = wts[_U(t), _U(j)]
+                    for o in range(rows):  # the weight distributes over the lanes' partial sums
+                        acc[o] += wj * accj[o]
+            _warp_reduce(acc, rows)
+            cuda.syncthreads()  # red is free (the previous token's sums were read)
+            if lane == 0:
+                for o in range(rows):
+                    red[w * rows + o] = acc[o]
+            cuda.syncthreads()
+            for o in range(tid, rows, nthr):
+                if r0 + o < nrows:
+                    v = red[o]
+                    for ww in range(1, warps):
+                        v += red[ww * rows + o]
+                    out[_U(t), _U(r0 + o)] += v
+
+    _KERNELS[key] = down
+    return down

@@ -7,7 +7,8 @@
 # runs trace_decode.py at those shares (then that run's environment) before the probes (TRACE_ARGS passed on, e.g.
 # --warmup-seed 1). PACK=1 packs the numba cache into $OUT for the next call's .gpu/. LAUNCH_PROBE=1 runs
 # launch_probe.py; LLAMA_PACK=1 packs the llama.cpp build into $OUT (after the traces). KERNEL_PROBE=1 runs
-# kernel_probe.py (decode attention variants, small kernels) after the tests.
+# kernel_probe.py (decode attention variants, small kernels, experts; KERNEL_PROBE_ARGS e.g. --no-attention) after
+# the tests.
 set -uo pipefail
 BUDGET=${CALL_BUDGET:-560}
 OUT=${OUT:-/tmp/gpu-out}
@@ -30,7 +31,7 @@ rc=$?; ts "pytest rc $rc"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log
 if [ "${BENCH_IF_PASSED:-0}" = 1 ] && [ "$rc" != 0 ]; then echo "tests failed: no probes, no benchmark"; pack; exit 1; fi
 if [ "${KERNEL_PROBE:-0}" = 1 ]; then
     ts "kernel_probe"
-    timeout -k 10 ${KERNEL_PROBE_S:-120} python3 bench/gpu/kernel_probe.py 2>&1 | grep -v -i warn | tee "$OUT/kernel_probe.log"
+    timeout -k 10 ${KERNEL_PROBE_S:-120} python3 bench/gpu/kernel_probe.py ${KERNEL_PROBE_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/kernel_probe.log"
 fi
 if [ -n "${VARIANTS:-}" ]; then
     ts "matvec_variants $VARIANTS"

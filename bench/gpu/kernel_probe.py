@@ -1,6 +1,6 @@
 """Time the decode attention kernels alone, and the small per-layer kernels, warm and after an L2 flush (GPU machine).
 
-    python3 bench/gpu/kernel_probe.py [--keys 130,1024,4096] [--reps 40]
+    python3 bench/gpu/kernel_probe.py [--keys 130,1024,4096] [--reps 40] [--no-attention]
 
 Qwen3-30B-A3B's attention shapes (32 query heads over 4 kv heads of 128 dims, float16 cache). Each case is a CUDA
 graph of `reps` launches replayed 5 times (median, per launch): "warm" back to back (code and data in L2), "cold"
@@ -9,7 +9,10 @@ in a decode token where ~30 MB of weights pass through L2 between one layer's la
 less the same graph of flushes alone. Attention variants: warps per block x the least keys per chunk x the query
 heads a block takes (the engine's first, then the same with the accurate exp; outputs compared with the first).
 Then QK-norm + rope + KV append, route top-k, the router's matrix-vector launch (F32 128 x 2048 with the RMSNorm
-fused) at several block shapes, and an empty kernel (the floor of a launch inside a graph), warm and cold.
+fused) at several block shapes and with the int8 form of its row written for the experts, the experts of a decode
+token (8 choices of Qwen3-30B-A3B's Q4_K gate+up 2 x 768 x 2048 and Q6_K down 2048 x 768 in VRAM slots: the
+float kernels, the int8 ones at several block shapes), and an empty kernel (the floor of a launch inside a graph),
+warm and cold.
 """
 from __future__ import annotations
 
@@ -21,8 +24,10 @@ import numpy as np
 from numba import cuda
 
 from strata_nb.cpu_kernels.qtypes import F32 as GGML_F32
+from strata_nb.cpu_kernels.qtypes import Q4_K, Q6_K, row_bytes
 from strata_nb.cuda_kernels import attention as A
 from strata_nb.cuda_kernels import matmul as M
+from strata_nb.cuda_kernels import matvec_q8 as Q8
 from strata_nb.cuda_kernels import ops as O
 from strata_nb.runtime.cuda_rt import SIM, Graph
 
@@ -80,6 +85,7 @@ def main() -> None:
     ap.add_argument("--keys", default="130,1024,4096")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--flush-mb", type=int, default=160)
+    ap.add_argument("--no-attention", action="store_true", help="only the small kernels and the experts")
     a = ap.parse_args()
     stream = cuda.stream()
     n_sm = 1 if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
@@ -93,12 +99,13 @@ def main() -> None:
     q = cuda.to_device(rng.standard_normal((1, NH * HD)).astype(np.float32))
     pos = cuda.to_device(np.zeros(1, np.int32))
     scale = 1.0 / math.sqrt(HD)
-    print(f"decode attention, {NH} heads / {NKV} kv heads x {HD}, {n_sm} SMs, us per launch (median of 5 replays of "
-          f"{a.reps})")
-    print("| keys | variant | n_split | blocks | warm | cold | max rel diff vs the first |")
-    print("|---|---|---|---|---|---|---|")
     engine_warps, engine_heads = A._GPU_WARPS, A.DECODE_HEADS
-    for n in keys:
+    if not a.no_attention:
+        print(f"decode attention, {NH} heads / {NKV} kv heads x {HD}, {n_sm} SMs, us per launch (median of 5 replays "
+              f"of {a.reps})")
+        print("| keys | variant | n_split | blocks | warm | cold | max rel diff vs the first |")
+        print("|---|---|---|---|---|---|---|")
+    for n in ([] if a.no_attention else keys):
         pos.copy_to_device(np.array([n - 1], np.int32))
         ref = None
         for nw, mc, fast, heads in ((engine_warps, A.MIN_CHUNK, True, engine_heads),
@@ -166,10 +173,61 @@ def main() -> None:
                 M._mv_shape = shape0
         return fn
 
+    xq8 = tuple(cuda.to_device(np.zeros((1, n), dt)) for n, dt in Q8.q8_shapes(D))
+
+    def router_q8(st):
+        M.matvec([(GGML_F32, rw, lo, False)], xr, st, norm=nrm, eps=1e-6, q8_out=xq8)
+
+    # a decode token's experts: 8 choices, each in its own VRAM slot (weights: random bytes, small fp16 scales)
+    F, K8 = 768, 8
+    rbg, rbd = row_bytes(Q4_K, D), row_bytes(Q6_K, F)
+    slot_bytes = -(-(2 * F * rbg + D * rbd) // 256) * 256
+    raw = rng.integers(0, 256, (K8, slot_bytes), dtype=np.uint8)
+    small = np.array([1e-3], np.float16).view(np.uint8)
+    raw[:, 0:2 * F * rbg].reshape(K8, 2 * F, -1, 144)[..., 0:4] = np.tile(small, 2)
+    raw[:, 2 * F * rbg:2 * F * rbg + D * rbd].reshape(K8, D, -1, 210)[..., 208:210] = small
+    slots = cuda.to_device(raw)
+    slot_of = cuda.to_device(np.where(np.arange(E) < K8, np.arange(E), -1).astype(np.int32))
+    eids = cuda.to_device(np.arange(K8, dtype=np.int32)[None])
+    ewts = cuda.to_device(np.full((1, K8), 0.125, np.float32))
+    eh = cuda.to_device(np.zeros((K8, F), np.float32))
+    hq8 = tuple(cuda.to_device(np.zeros((K8, n), dt)) for n, dt in Q8.q8_shapes(F))
+    ex = cuda.to_device(rng.standard_normal((1, D)).astype(np.float32))
+    gate, up, down = (Q4_K, 0, rbg), (Q4_K, F * rbg, rbg), (Q6_K, 2 * F * rbg, rbd)
+    gu0, rd0 = (M.GU_WARPS, M.GU_ROWS), M.MV_ROWS_DOWN_Q8
+
+    def gate_up(q8, shape=gu0, quant=True):
+        def fn(st):
+            M.GU_WARPS, M.GU_ROWS = shape
+            try:
+                M.moe_gate_up(gate, up, slots, F, slot_of, eids, ex, eh, 1, st, xq8=xq8 if q8 else None,
+                              hq8=hq8 if q8 and quant else None)
+            finally:
+                M.GU_WARPS, M.GU_ROWS = gu0
+        return fn
+
+    def expert_down(q8, rows=rd0):
+        def fn(st):
+            M.MV_ROWS_DOWN_Q8 = rows
+            try:
+                M.moe_down(down, slots, D, slot_of, eids, ewts, eh, ex, 1, st, hq8=hq8 if q8 else None)
+            finally:
+                M.MV_ROWS_DOWN_Q8 = rd0
+        return fn
+
     ebuf = cuda.to_device(np.zeros(1, np.float32))
     cases = [("QK-norm + rope + KV append", rope), ("route top-k", topk)]
     cases += [(f"router F32 128 x 2048 + norm, {w} warps x {r} rows ({-(-E // (w * r))} blocks)", router((w, r)))
               for w, r in (((1, 1), (1, 2)) if SIM else ((8, 1), (4, 1), (2, 1), (1, 1), (1, 2)))]
+    cases.append(("router F32 128 x 2048 + norm + the row's int8 form (engine shape)", router_q8))
+    cases.append(("experts gate+up x8, float", gate_up(False)))
+    for shape in ((gu0,) if SIM else ((8, 4), (4, 8), (16, 2))):
+        cases.append((f"experts gate+up x8, int8, {shape[0]} warps x {shape[1]} rows, h's int8 form too",
+                      gate_up(True, shape)))
+    cases.append(("experts gate+up x8, int8, engine shape, float h only", gate_up(True, gu0, False)))
+    cases.append(("experts down x8, float", expert_down(False)))
+    for rows in ((rd0,) if SIM else (2, 4, 1)):
+        cases.append((f"experts down x8, int8, 8 warps x {rows} rows", expert_down(True, rows)))
     cases.append(("empty kernel (1 block)", lambda st: _empty[1, 32, st](ebuf)))
     print()
     print("| kernel | warm | cold |")

@@ -31,6 +31,7 @@ from strata_nb.cpu_kernels import ops as cops
 from strata_nb.cuda_kernels import attention as katt
 from strata_nb.cuda_kernels import mailbox as kmb
 from strata_nb.cuda_kernels import matmul as kmm
+from strata_nb.cuda_kernels import matvec_q8 as kq8
 from strata_nb.cuda_kernels import ops as kops
 from strata_nb.cuda_kernels import prefetch as kpf
 from strata_nb.cuda_kernels import sample as ks
@@ -239,6 +240,13 @@ class GPUBackend:
         if s.is_moe:
             self.rl, self.ids, self.wts = z(tm, s.n_expert), z(tm, k, dt=np.int32), z(tm, k)
             self.eh = z(tm * k, s.n_ff_exp)
+            # decode's experts with int8 activations: the routing launch writes x's int8 form, gate+up reads it
+            # and writes h's, down reads that (matvec_q8.q8_shapes)
+            self.xq8 = self.hq8 = None
+            if self.q8 and kmm.q8_rows_ok(s.n_embd):
+                self.xq8 = tuple(z(1, n, dt=dt) for n, dt in kq8.q8_shapes(s.n_embd))
+                if kmm.q8_rows_ok(s.n_ff_exp):
+                    self.hq8 = tuple(z(k, n, dt=dt) for n, dt in kq8.q8_shapes(s.n_ff_exp))
             if tm > 1:  # a prompt chunk's choices grouped by expert (gpu_blocks/ffn.py): up, down outputs, grouping
                 nt = kops.group_tiles_bound(tm * k, s.n_expert, kmm.TILE_TOKS)
                 self.eu, self.ey = z(tm * k, s.n_ff_exp), z(tm * k, s.n_embd)
@@ -341,15 +349,15 @@ class GPUBackend:
             ops.append(lambda st: kops.add_bias(out, m.bias, ntok, st))
         return ops
 
-    def _normed(self, norm, mats: list[tuple[_DLinear, object]], T: int, x_out=None) -> list[Op]:
+    def _normed(self, norm, mats: list[tuple[_DLinear, object]], T: int, x_out=None, q8_out=None) -> list[Op]:
         """rmsnorm(x) * norm through each (linear, out) of mats. One token: one launch (the norm fused into the
-        matrix-vector kernel, which also writes the normalized row to x_out when given); a prompt: rmsnorm into
-        self.xn, then the tiled matmuls."""
+        matrix-vector kernel, which also writes the normalized row to x_out and its int8 form to q8_out when
+        given); a prompt: rmsnorm into self.xn, then the tiled matmuls."""
         eps = float(self.spec.rms_eps)
         if T == 1:
             mv = [(m.qtype, m.rows, out, False) for m, out in mats]
             ops: list[Op] = [lambda st: kmm.matvec(mv, self.x, st, norm=norm, eps=eps, x_out=x_out,
-                                                         q8=self.q8)]
+                                                         q8=self.q8, q8_out=q8_out)]
             for m, out in mats:
                 if m.bias is not None:
                     ops.append(lambda st, m=m, out=out: kops.add_bias(out, m.bias, 1, st))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from strata_nb.cuda_kernels import matmul as kmm
+from strata_nb.cuda_kernels import matvec_q8 as kq8
 from strata_nb.cuda_kernels import ops as kops
 
 if TYPE_CHECKING:
@@ -30,9 +31,16 @@ def moe(b: "GPUBackend", l: int, T: int) -> tuple[list["Op"], list["Op"], bool]:
     table = b._table[l]
     shared = L["shexp_gate"] is not None
     mats = [(L["router"], b.rl)] + ([(L["shexp_gate"], b.sg), (L["shexp_up"], b.su)] if shared else [])
-    ops = b._normed(L["ffn_norm"], mats, T, x_out=b.xn)
+    ff_types = ()
+    if b.cache.slots.get(l, 0) > 0:
+        lay = b.cache.layouts[l]
+        ff_types = (lay.mats["gate"].qtype, lay.mats["up"].qtype)
+    # one token whose gate and up have int8 kernels: the routing launch also writes x's int8 form for them
+    xq8 = b.xq8 if T == 1 and ff_types and kq8.supports(ff_types, s.n_embd) else None
+    hq8 = b.hq8 if xq8 is not None else None
     hybrid = l not in b._full
     pub = (b.xn, table, b.mb.device, b.done, b.counter) if hybrid else None
+    ops = b._normed(L["ffn_norm"], mats, T, x_out=b.xn, q8_out=xq8)
     ops.append(lambda st: kops.route_topk(b.rl, k, bool(s.expert_norm), float(s.expert_weights_scale),
                                           b.ids, b.wts, T, st, publish=pub))
     if T == 1 and b._prefetch:
@@ -42,8 +50,9 @@ def moe(b: "GPUBackend", l: int, T: int) -> tuple[list["Op"], list["Op"], bool]:
         g, u, d = ((m.qtype, m.offset, m.row_bytes) for m in (lay.mats["gate"], lay.mats["up"], lay.mats["down"]))
         ff, hidden = lay.mats["gate"].rows, lay.mats["down"].rows
         if T == 1:  # matrix-vector kernels, one choice a warp
-            ops.append(lambda st: kmm.moe_gate_up(g, u, buf, ff, table, b.ids, b.xn, b.eh, T, st, q8=b.q8))
-            ops.append(lambda st: kmm.moe_down(d, buf, hidden, table, b.ids, b.wts, b.eh, b.x, T, st))
+            ops.append(lambda st: kmm.moe_gate_up(g, u, buf, ff, table, b.ids, b.xn, b.eh, T, st, xq8=xq8,
+                                                  hq8=hq8))
+            ops.append(lambda st: kmm.moe_down(d, buf, hidden, table, b.ids, b.wts, b.eh, b.x, T, st, hq8=hq8))
         else:  # a prompt chunk: the choices grouped by expert, each expert's rows read once per tile of them
             n = T * k
             ops.append(lambda st: kops.group_experts(b.ids, table, T, kmm.TILE_TOKS, *b.grouping[:3], st))
