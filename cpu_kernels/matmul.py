@@ -222,6 +222,9 @@ def moe_matmul(fast, qtype, ptrs, nrows, row_bytes, ent_lo, ent_hi, tok_idx, x, 
                                                                 x, xq, xd, xs, out)
 
 
+DOWN_PROMPT_ROWS = 64  # rows of a prompt's down task: its weights stay in L1 while the expert's tokens run by 4
+
+
 @njit(nogil=True, inline="always")
 def _moe_rows(rows: int, ntok: int, nthreads: int) -> int:
     """Rows per task of the MoE kernel over `rows` rows in all. Decode (one token): the most of 32, 16, 8 that
@@ -321,19 +324,34 @@ def _make_moe_ffn(FAST, QG, QU, QD):
                 for j in range(j0, j1):
                     swiglu_quant_row(_row(g, j), _row(u, j), _row(h, j), _row(hq, j), _row(hd, j), _row(hs, j),
                                      QUANT_H)
-        # down, y[entry] = Down . h[entry], over row blocks of all the wave's experts; in the last wave each
-        # block then sums its columns of every entry into out (no combine region: blocks own their columns)
-        nr = _moe_rows(hidden, ntok, nthreads)
-        nblk = (hidden + nr - 1) // nr
-        for blk in prange(nblk):
-            r0 = blk * nr
-            r1 = min(hidden, r0 + nr)
-            for i in range(nw):
-                gi = groups[i]
-                _task(Q8D, QD, _mat_at(table[2, experts[gi]], hidden, down_rb), h, hq, hd, hs, y, r0, r1, ident,
-                      start[gi], start[gi + 1])
-            if combine > 0:
-                combine_cols(y, wts, etok, eslot, start[combine], ntok, out, r0, r1)
+        # down, y[entry] = Down . h[entry]
+        if ntok == 1:  # over row blocks of all the wave's experts; in the last wave each block then sums its
+            # columns of every entry into out (no combine region: blocks own their columns)
+            nr = _moe_rows(hidden, ntok, nthreads)
+            nblk = (hidden + nr - 1) // nr
+            for blk in prange(nblk):
+                r0 = blk * nr
+                r1 = min(hidden, r0 + nr)
+                for i in range(nw):
+                    gi = groups[i]
+                    _task(Q8D, QD, _mat_at(table[2, experts[gi]], hidden, down_rb), h, hq, hd, hs, y, r0, r1, ident,
+                          start[gi], start[gi + 1])
+                if combine > 0:
+                    combine_cols(y, wts, etok, eslot, start[combine], ntok, out, r0, r1)
+            return ngrp, hits
+        # a prompt: over (expert, row block) tasks, so each task reads only its own expert's h rows (blocks of
+        # rows over every expert read every entry's h once a block: ~2x the weights' bytes at 512 experts), then
+        # the combine over column blocks
+        nblk = (hidden + DOWN_PROMPT_ROWS - 1) // DOWN_PROMPT_ROWS
+        for task in prange(nw * nblk):
+            i = task // nblk
+            gi = groups[i]
+            r0 = (task - i * nblk) * DOWN_PROMPT_ROWS
+            _task(Q8D, QD, _mat_at(table[2, experts[gi]], hidden, down_rb), h, hq, hd, hs, y, r0,
+                  min(hidden, r0 + DOWN_PROMPT_ROWS), ident, start[gi], start[gi + 1])
+        if combine > 0:
+            for blk in prange((hidden + 255) // 256):
+                combine_cols(y, wts, etok, eslot, start[combine], ntok, out, blk * 256, min(hidden, blk * 256 + 256))
         return ngrp, hits
 
     return moe_ffn_spec

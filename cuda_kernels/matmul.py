@@ -47,7 +47,7 @@ MV_WARPS_WIDE = 1 if SIM else 8  # dense launches of long rows (see _mv_shape), 
 MV_ROWS_DOWN = 2
 # the int8 down kernel's rows a block (its warps take different choices): H100, kernel_probe.py, 8 choices of Q6_K
 # 2048 x 768, us warm / L2-flushed: 8 warps x 4 rows 12.98 / 17.10, x 2 rows 16.07 / 19.55, x 1 row 15.50 / 16.32
-MV_ROWS_DOWN_Q8 = 1 if SIM else 4
+MV_ROWS_DOWN_Q8 = 1 if SIM else 2  # 4 measured faster alone; 2 is the shape that passed on a GPU
 # the int8 gate+up kernel: 32 rows a block (h's int8 blocks are of 32 elements), 8 warps of 4 rows on a GPU
 GU_WARPS, GU_ROWS = (1, 32) if SIM else (8, 4)
 MV_CHUNK = 256 if SIM else 8192  # activation elements staged in shared memory at a time (32 KB)
@@ -239,8 +239,8 @@ def _dense_fn(types: tuple, k: int, rows: int, warps: int, norm: bool, q8_out: b
             if write_xo and b == 0:
                 for i in range(tid, k, nthr):
                     xo[0, _U(i)] = x[0, _U(i)] * inv * nw[_U(i)]
-            if q8_out:  # a share of the row a block, one word a thread at most (block 0 alone took ~1.3 us more)
-                kq8.quantize_row(x, nw, inv, k, gq, gd, gs, b * nthr + tid, cuda.gridDim.x * nthr)
+            if q8_out and b == 0:  # spreading it over the blocks (~1.3 us a layer) awaits a GPU run
+                kq8.quantize_row(x, nw, inv, k, gq, gd, gs, tid, nthr)
         _warp_reduce(acc, rows, red)
         if lane == 0:
             for o in range(rows):

@@ -377,13 +377,12 @@ def dense_fn(types_: tuple, k: int, rows: int, warps: int, norm: bool, red_len: 
             if write_xo and b == 0:
                 for i in range(tid, k, nthr):
                     xo[0, _U(i)] = x[0, _U(i)] * inv * nw[_U(i)]
-        if q8_out:  # int8 quantization is scale-free: only the scales and sums take 1/rms; a share a block
-            nall = cuda.gridDim.x * nthr
-            for i in range(b * nthr + tid, kw, nall):
+        if q8_out and b == 0:  # int8 quantization is scale-free: only the scales and sums take 1/rms
+            for i in range(tid, kw, nthr):
                 gq[0, _U(i)] = xq[i]
-            for i in range(b * nthr + tid, kb, nall):
+            for i in range(tid, kb, nthr):
                 gd[0, _U(i)] = xd[i] * inv
-            for i in range(b * nthr + tid, ks, nall):
+            for i in range(tid, ks, nthr):
                 gs[0, _U(i)] = xs[i] * inv
         _warp_reduce(acc, rows)
         if lane == 0:
