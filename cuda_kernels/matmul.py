@@ -175,8 +175,8 @@ def _chunks(k: int) -> tuple[int, int]:
 
 def _dense_fn(types: tuple, k: int, rows: int, warps: int, norm: bool, q8_out: bool = False):
     """The matrix-vector kernel for up to three matrices (types: their (qtype, word) pairs) reading one activation
-    row of k elements, RMS-normalized when norm, by blocks of `warps` warps of `rows` rows each; q8_out: the blocks
-    also write the normalized row's int8 form to gq/gd/gs (matvec_q8.q8_shapes), a share each. Memoized."""
+    row of k elements, RMS-normalized when norm, by blocks of `warps` warps of `rows` rows each; q8_out: block 0
+    also writes the normalized row's int8 form to gq/gd/gs (matvec_q8.q8_shapes). Memoized."""
     key = ("dense", types, k, rows, warps, norm, q8_out)
     if key in _KERNELS:
         return _KERNELS[key]
