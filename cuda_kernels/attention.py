@@ -17,7 +17,9 @@ and the last block of a head group to finish (an atomic count) merges the live o
 length return at once: a short context costs a few chunks, not n_split of a few keys each. A decode launch is
 latency-bound (a warp per scheduler runs a ~900-instruction step per nk keys), so a block has 8 warps: on an H100
 (bench/gpu/kernel_probe.py) 19.6 / 24.9 / 64.8 us at 130 / 1,024 / 4,096 keys against 26.3 / 33.7 / 76.8 at 4 warps;
-16-key or 32-key chunks only paid below ~200 keys. A compact kernel that staged 32 keys in shared memory and scored
+16-key or 32-key chunks only paid below ~200 keys. With rope= a decode block first QK-norms and rotates its own
+query heads into shared memory and, in the chunk of the new position, the token's key (appending it and the value
+to the cache), so the engine's decode needs no qk_rope_kv launch (H100 decode graph: 15.6 + 7.2 us -> 20.6 us). A compact kernel that staged 32 keys in shared memory and scored
 them thread-per-(key, head) was 1.3-8x slower there (its serial per-thread loops), and was dropped.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ import math
 import numpy as np
 from numba import config, cuda
 
+from strata_nb.cuda_kernels import ops as kops
 from strata_nb.errors import StrataError
 
 _MAX_SPLIT = 1024  # chunks of a decode launch at most
@@ -298,10 +301,26 @@ def _build(hd: int, gp: int, nw: int, exchange: str, ex):
     sim = exchange != "shfl"
     smem = exchange == "smem"
     xs_shape = (nw, 32, nk * gp) if smem else (1, 1, 1)
-    ns = {"cuda": cuda, "np": np, "fexp": ex, "f32": np.float32,
-          "xor": _xor_sim if sim else _xor_gpu, "bcast": _bcast_sim if sim else _bcast_gpu}
+    xor = _xor_sim if sim else _xor_gpu
+    ns = {"cuda": cuda, "np": np, "fexp": ex, "f32": np.float32, "xor": xor,
+          "bcast": _bcast_sim if sim else _bcast_gpu}
     exec(compile(_attend_source(hd, gp, nw, nk, exchange), f"<attention hd={hd} gp={gp} nw={nw}>", "exec"), ns)
     attend = cuda.jit(device=True)(ns["attend"])
+
+    @cuda.jit(device=True)
+    def wsum(v, xb):
+        for m in (16, 8, 4, 2, 1):
+            v += xor(v, m, xb)
+        return v
+
+    @cuda.jit(device=True)
+    def wsync():
+        if sim:  # a simulated warp is the whole block (one warp a block wherever the heads are rotated here)
+            cuda.syncthreads()
+        else:
+            cuda.syncwarp()
+
+    norm_rope = kops.norm_rope_fn(32, wsum, wsync)
 
     @cuda.jit(device=True)
     def max_sum(smw, slw, h):
@@ -316,70 +335,105 @@ def _build(hd: int, gp: int, nw: int, exchange: str, ex):
                     tot += slw[r, h] * ex(smw[r, h] - mx)
         return mx, tot
 
-    @cuda.jit
-    def decode_partial(q, kc, vc, pos0, scale, part_m, part_l, part_o, cnt, out, n_split, grp, n_sub, min_chunk):
-        so = cuda.shared.array((gp, hd), np.float32)
-        smw = cuda.shared.array((nw, gp), np.float32)
-        slw = cuda.shared.array((nw, gp), np.float32)
-        xb = cuda.shared.array(nt, np.float32)
-        xs = cuda.shared.array(xs_shape, np.float32)
-        last = cuda.shared.array(1, np.int32)
-        tid = cuda.threadIdx.x
-        sc = np.float32(scale)
-        n = pos0[0] + 1
-        chunk = max(min_chunk, (n + n_split - 1) // n_split)
-        nl = (n + chunk - 1) // chunk  # live chunks (<= n_split)
-        ntask = kc.shape[0] * n_sub * n_split
-        for task in range(cuda.blockIdx.x, ntask, cuda.gridDim.x):
-            c = task % n_split
-            j0 = c * chunk
-            if j0 >= n:  # past the length (the same for the whole block): neither computed nor counted
-                continue
-            gs = task // n_split
-            g = gs // n_sub
-            sub = gs - g * n_sub
-            hq0 = g * grp + sub * gp
-            nq = min(gp, grp - sub * gp)
-            j1 = min(n, j0 + chunk)
-            attend(q, 0, hq0, nq, kc, vc, g, j0, max(j0, j1), sc, smw, slw, so, xb, xs)
-            for h in range(tid, nq, nt):
-                mx, tot = max_sum(smw, slw, h)
-                part_m[hq0 + h, c] = mx
-                part_l[hq0 + h, c] = tot
-            for idx in range(tid, nq * hd, nt):
-                h = idx // hd
-                d = idx - h * hd
-                part_o[hq0 + h, c, d] = so[h, d]
-            # The last block of the head group to finish merges its live chunks (a reduce launch of its own cost
-            # ~5 us a layer): each block fences its partials before counting itself, so the last one sees them all.
-            cuda.threadfence()
-            cuda.syncthreads()
-            if tid == 0:
-                last[0] = 1 if cuda.atomic.add(cnt, gs, 1) == nl - 1 else 0
-            cuda.syncthreads()
-            if last[0] == 1:
-                if tid == 0:
-                    cnt[gs] = 0  # zero for the next launch
-                cuda.threadfence()
-                for h in range(tid, nq, nt):  # each live chunk's share of the output, in place of its max
-                    mx = np.float32(-np.inf)
-                    for cc in range(nl):
-                        mx = max(mx, part_m[hq0 + h, cc])
-                    tot = np.float32(0.0)
-                    for cc in range(nl):
-                        tot += part_l[hq0 + h, cc] * ex(part_m[hq0 + h, cc] - mx)
-                    inv = np.float32(1.0) / tot
-                    for cc in range(nl):
-                        part_m[hq0 + h, cc] = ex(part_m[hq0 + h, cc] - mx) * inv
-                cuda.syncthreads()
+    def make_decode(rope: bool):
+        qs_shape, ks_shape = ((1, gp * hd), (1, hd)) if rope else ((1, 1), (1, 1))
+
+        @cuda.jit
+        def decode_partial(q, kc, vc, pos0, scale, part_m, part_l, part_o, cnt, out, n_split, grp, n_sub, min_chunk,
+                           kx, vx, qn, kn, mode, eps, mult, mscale, neox, n_rot):
+            so = cuda.shared.array((gp, hd), np.float32)
+            smw = cuda.shared.array((nw, gp), np.float32)
+            slw = cuda.shared.array((nw, gp), np.float32)
+            xb = cuda.shared.array(nt, np.float32)
+            xs = cuda.shared.array(xs_shape, np.float32)
+            qs = cuda.shared.array(qs_shape, np.float32)
+            ks = cuda.shared.array(ks_shape, np.float32)
+            last = cuda.shared.array(1, np.int32)
+            tid = cuda.threadIdx.x
+            lane = tid & 31
+            w = tid >> 5
+            sc = np.float32(scale)
+            n = pos0[0] + 1
+            chunk = max(min_chunk, (n + n_split - 1) // n_split)
+            nl = (n + chunk - 1) // chunk  # live chunks (<= n_split)
+            ntask = kc.shape[0] * n_sub * n_split
+            for task in range(cuda.blockIdx.x, ntask, cuda.gridDim.x):
+                c = task % n_split
+                j0 = c * chunk
+                if j0 >= n:  # past the length (the same for the whole block): neither computed nor counted
+                    continue
+                gs = task // n_split
+                g = gs // n_sub
+                sub = gs - g * n_sub
+                hq0 = g * grp + sub * gp
+                nq = min(gp, grp - sub * gp)
+                j1 = min(n, j0 + chunk)
+                if rope:
+                    # QK-norm + rope of the block's query heads (into qs) and, in the blocks of the chunk that
+                    # holds the new position, of its key, appended with its value: in place of a launch of
+                    # ops.qk_rope_kv before this one (~7 us of a decode layer on an H100). Blocks of one chunk
+                    # and kv head write the same bits.
+                    p = n - 1
+                    invq = np.float32(1.0)
+                    invk = np.float32(1.0)
+                    if mode == kops.QK_FULL:  # the whole block takes part (a barrier inside)
+                        invq = kops._row_inv(q, 0, part_m.shape[0] * hd, eps, xb)
+                        invk = kops._row_inv(kx, 0, kc.shape[0] * hd, eps, xb)
+                    nh = nq + 1 if j1 == n else nq
+                    for hh in range(w, nh, nw):
+                        if hh < nq:
+                            norm_rope(q, 0, (hq0 + hh) * hd, qn, mode, invq, eps, mult, mscale, neox, n_rot, hd, p,
+                                      qs, 0, hh * hd, lane, xb)
+                        else:  # float32 -> float16 (round to nearest)
+                            norm_rope(kx, 0, g * hd, kn, mode, invk, eps, mult, mscale, neox, n_rot, hd, p, ks, 0,
+                                      0, lane, xb)
+                            for d in range(lane, hd, 32):
+                                kc[g, p, d] = ks[0, d]
+                                vc[g, p, d] = vx[0, g * hd + d]
+                    cuda.syncthreads()
+                    attend(qs, 0, 0, nq, kc, vc, g, j0, max(j0, j1), sc, smw, slw, so, xb, xs)
+                else:
+                    attend(q, 0, hq0, nq, kc, vc, g, j0, max(j0, j1), sc, smw, slw, so, xb, xs)
+                for h in range(tid, nq, nt):
+                    mx, tot = max_sum(smw, slw, h)
+                    part_m[hq0 + h, c] = mx
+                    part_l[hq0 + h, c] = tot
                 for idx in range(tid, nq * hd, nt):
                     h = idx // hd
                     d = idx - h * hd
-                    acc = np.float32(0.0)
-                    for cc in range(nl):
-                        acc += part_o[hq0 + h, cc, d] * part_m[hq0 + h, cc]
-                    out[0, (hq0 + h) * hd + d] = acc
-            cuda.syncthreads()
+                    part_o[hq0 + h, c, d] = so[h, d]
+                # The last block of the head group to finish merges its live chunks (a reduce launch of its own cost
+                # ~5 us a layer): each block fences its partials before counting itself, so the last one sees them all.
+                cuda.threadfence()
+                cuda.syncthreads()
+                if tid == 0:
+                    last[0] = 1 if cuda.atomic.add(cnt, gs, 1) == nl - 1 else 0
+                cuda.syncthreads()
+                if last[0] == 1:
+                    if tid == 0:
+                        cnt[gs] = 0  # zero for the next launch
+                    cuda.threadfence()
+                    for h in range(tid, nq, nt):  # each live chunk's share of the output, in place of its max
+                        mx = np.float32(-np.inf)
+                        for cc in range(nl):
+                            mx = max(mx, part_m[hq0 + h, cc])
+                        tot = np.float32(0.0)
+                        for cc in range(nl):
+                            tot += part_l[hq0 + h, cc] * ex(part_m[hq0 + h, cc] - mx)
+                        inv = np.float32(1.0) / tot
+                        for cc in range(nl):
+                            part_m[hq0 + h, cc] = ex(part_m[hq0 + h, cc] - mx) * inv
+                    cuda.syncthreads()
+                    for idx in range(tid, nq * hd, nt):
+                        h = idx // hd
+                        d = idx - h * hd
+                        acc = np.float32(0.0)
+                        for cc in range(nl):
+                            acc += part_o[hq0 + h, cc, d] * part_m[hq0 + h, cc]
+                        out[0, (hq0 + h) * hd + d] = acc
+                cuda.syncthreads()
+
+        return decode_partial
 
     @cuda.jit
     def prompt(q, kc, vc, pos0, scale, out, ntok, grp, n_sub):
@@ -407,7 +461,7 @@ def _build(hd: int, gp: int, nw: int, exchange: str, ex):
                 out[t, (hq0 + h) * hd + d] = so[h, d] / tot
             cuda.syncthreads()
 
-    return decode_partial, prompt
+    return make_decode(False), make_decode(True), prompt
 
 
 # -- launch helpers ---------------------------------------------------------------------------------------------
@@ -422,10 +476,12 @@ def _group(n_head: int, n_kv: int, max_gp: int = 32) -> tuple[int, int, int]:
 
 
 def attention_decode(q, kc, vc, pos0, scale: float, out, scratch, n_split: int, stream,
-                     min_chunk: int = MIN_CHUNK, heads: int | None = None) -> None:
+                     min_chunk: int = MIN_CHUNK, heads: int | None = None, rope=None) -> None:
     """One query token at position pos0[0] (sees cache 0..pos0[0]); q, out f32[1, H*hd]; kc, vc f16[Hkv, ctx, hd];
     scratch: decode_scratch(H, hd, n_split). n_split is fixed at capture; chunks hold at least min_chunk keys; a
-    block takes at most `heads` query heads (a power of two <= 32; None: DECODE_HEADS)."""
+    block takes at most `heads` query heads (a power of two <= 32; None: DECODE_HEADS). rope: None (q is rotated
+    and the token's key and value are in the cache), or (k, v, q_norm, k_norm, mode, eps, mult, mscale, neox, n_rot)
+    as ops.qk_rope_kv takes them: the launch does that op's work for this token itself (q is left as it was)."""
     heads = DECODE_HEADS if heads is None else heads
     if heads not in (1, 2, 4, 8, 16, 32):
         raise StrataError(f"attention_decode: {heads} query heads a block (a power of two up to 32)")
@@ -441,9 +497,18 @@ def attention_decode(q, kc, vc, pos0, scale: float, out, scratch, n_split: int, 
     ntask = n_kv * n_sub * n_split
     blocks = min(ntask, 2) if sim else ntask
     nw = _SIM_WARPS if sim else _GPU_WARPS
-    partial, _ = _kernels(hd, gp, nw, sim)
-    partial[blocks, 32 * nw, stream](q, kc, vc, pos0, float(scale), part_m, part_l, part_o, cnt, out, n_split, grp,
-                                     n_sub, int(min_chunk))
+    plain, fused, _ = _kernels(hd, gp, nw, sim)
+    if rope is None:
+        kern, extra = plain, (q, q, q[0], q[0], 0, 0.0, q[0], 1.0, False, 0)
+    else:
+        k, v, q_norm, k_norm, mode, eps, mult, mscale, neox, n_rot = rope
+        if not 0 <= n_rot <= hd or n_rot % 2 or k.shape[1] < n_kv * hd or v.shape[1] < n_kv * hd:
+            raise StrataError(f"attention_decode: rope over {n_rot} of {hd} dims, k/v rows {k.shape[1]}/"
+                              f"{v.shape[1]} for {n_kv} kv heads")
+        kern, extra = fused, (k, v, q_norm, k_norm, int(mode), float(eps), mult, float(mscale), bool(neox),
+                              int(n_rot))
+    kern[blocks, 32 * nw, stream](q, kc, vc, pos0, float(scale), part_m, part_l, part_o, cnt, out, n_split, grp,
+                                  n_sub, int(min_chunk), *extra)
 
 
 def attention_prompt(q, kc, vc, pos0, scale: float, out, ntok: int, stream) -> None:
@@ -456,7 +521,7 @@ def attention_prompt(q, kc, vc, pos0, scale: float, out, ntok: int, stream) -> N
     grp, gp, n_sub = _group(n_head, n_kv)
     sim = bool(config.ENABLE_CUDASIM)
     nw = _SIM_WARPS if sim else _GPU_WARPS
-    _, prompt = _kernels(hd, gp, nw, sim)
+    _, _, prompt = _kernels(hd, gp, nw, sim)
     ntask = ntok * n_kv * n_sub
     blocks = min(ntask, 2) if sim else min(ntask, 1 << 20)
     prompt[blocks, 32 * nw, stream](q, kc, vc, pos0, float(scale), out, ntok, grp, n_sub)

@@ -47,7 +47,8 @@ MV_WARPS_WIDE = 1 if SIM else 8  # dense launches of long rows (see _mv_shape), 
 MV_ROWS_DOWN = 2
 # the int8 down kernel's rows a block (its warps take different choices): H100, kernel_probe.py, 8 choices of Q6_K
 # 2048 x 768, us warm / L2-flushed: 8 warps x 4 rows 12.98 / 17.10, x 2 rows 16.07 / 19.55, x 1 row 15.50 / 16.32
-MV_ROWS_DOWN_Q8 = 1 if SIM else 2  # 4 measured faster alone; 2 is the shape that passed on a GPU
+# (in the decode graph, bench/gpu/trace_decode.py: 12.99 us at 4 rows, 13.40 at 2)
+MV_ROWS_DOWN_Q8 = 1 if SIM else 4
 # the int8 gate+up kernel: 32 rows a block (h's int8 blocks are of 32 elements), 8 warps of 4 rows on a GPU
 GU_WARPS, GU_ROWS = (1, 32) if SIM else (8, 4)
 MV_CHUNK = 256 if SIM else 8192  # activation elements staged in shared memory at a time (32 KB)
@@ -175,8 +176,8 @@ def _chunks(k: int) -> tuple[int, int]:
 
 def _dense_fn(types: tuple, k: int, rows: int, warps: int, norm: bool, q8_out: bool = False):
     """The matrix-vector kernel for up to three matrices (types: their (qtype, word) pairs) reading one activation
-    row of k elements, RMS-normalized when norm, by blocks of `warps` warps of `rows` rows each; q8_out: block 0
-    also writes the normalized row's int8 form to gq/gd/gs (matvec_q8.q8_shapes). Memoized."""
+    row of k elements, RMS-normalized when norm, by blocks of `warps` warps of `rows` rows each; q8_out: the
+    blocks also write the normalized row's int8 form to gq/gd/gs (matvec_q8.q8_shapes), a share each. Memoized."""
     key = ("dense", types, k, rows, warps, norm, q8_out)
     if key in _KERNELS:
         return _KERNELS[key]
@@ -236,11 +237,13 @@ def _dense_fn(types: tuple, k: int, rows: int, warps: int, norm: bool, q8_out: b
             inv = _ONE / float32(math.sqrt(float64(tot) / k + eps))
             for o in range(rows):
                 acc[o] *= inv
-            if write_xo and b == 0:
-                for i in range(tid, k, nthr):
+            # the normalized row's copies, a share a block (H100, the router's launch with the int8 form: 6.28 us against
+            # 6.92 with block 0 writing it all, 5.69 without it)
+            if write_xo:
+                for i in range(b * nthr + tid, k, cuda.gridDim.x * nthr):
                     xo[0, _U(i)] = x[0, _U(i)] * inv * nw[_U(i)]
-            if q8_out and b == 0:  # spreading it over the blocks (~1.3 us a layer) awaits a GPU run
-                kq8.quantize_row(x, nw, inv, k, gq, gd, gs, tid, nthr)
+            if q8_out:
+                kq8.quantize_row(x, nw, inv, k, gq, gd, gs, b * nthr + tid, cuda.gridDim.x * nthr)
         _warp_reduce(acc, rows, red)
         if lane == 0:
             for o in range(rows):

@@ -329,8 +329,8 @@ def q8_shapes(k: int) -> tuple[tuple[int, type], tuple[int, type], tuple[int, ty
 
 def dense_fn(types_: tuple, k: int, rows: int, warps: int, norm: bool, red_len: int, q8_out: bool = False):
     """The int8 twin of matmul._dense_fn (same arguments and launch, plus gq/gd/gs): up to three matrices (types_:
-    (qtype, word) pairs) reading one row of k elements, RMS-normalized when norm; q8_out: block 0 also writes the
-    normalized row's int8 form to gq/gd/gs (q8_shapes). Memoized."""
+    (qtype, word) pairs) reading one row of k elements, RMS-normalized when norm; q8_out: the blocks also write the
+    normalized row's int8 form (a share each) to gq/gd/gs (q8_shapes). Memoized."""
     key = ("dense", types_, k, rows, warps, norm, q8_out)
     if key in _KERNELS:
         return _KERNELS[key]
@@ -354,6 +354,7 @@ def dense_fn(types_: tuple, k: int, rows: int, warps: int, norm: bool, red_len: 
         tid = cuda.threadIdx.x
         lane = tid & LANE_MASK
         b = cuda.blockIdx.x
+        nblk = cuda.gridDim.x
         m = 0 if b < nba else (1 if b < nba + nbb else 2)
         lb = b if m == 0 else (b - nba if m == 1 else b - nba - nbb)
         r0 = (lb * warps + (tid >> WARP_SHIFT)) * rows
@@ -374,15 +375,15 @@ def dense_fn(types_: tuple, k: int, rows: int, warps: int, norm: bool, red_len: 
             inv = _ONE / float32(math.sqrt(float64(tot) / k + eps))
             for o in range(rows):
                 acc[o] *= inv
-            if write_xo and b == 0:
-                for i in range(tid, k, nthr):
+            if write_xo:  # a share a block
+                for i in range(b * nthr + tid, k, nblk * nthr):
                     xo[0, _U(i)] = x[0, _U(i)] * inv * nw[_U(i)]
-        if q8_out and b == 0:  # int8 quantization is scale-free: only the scales and sums take 1/rms
-            for i in range(tid, kw, nthr):
+        if q8_out:  # a share a block; int8 quantization is scale-free: only the scales and sums take 1/rms
+            for i in range(b * nthr + tid, kw, nblk * nthr):
                 gq[0, _U(i)] = xq[i]
-            for i in range(tid, kb, nthr):
+            for i in range(b * nthr + tid, kb, nblk * nthr):
                 gd[0, _U(i)] = xd[i] * inv
-            for i in range(tid, ks, nthr):
+            for i in range(b * nthr + tid, ks, nblk * nthr):
                 gs[0, _U(i)] = xs[i] * inv
         _warp_reduce(acc, rows)
         if lane == 0:

@@ -167,6 +167,57 @@ def _row_inv(src, t, n, eps, red):
     return np.float32(1.0) / np.float32(math.sqrt(np.float64(tot) / n + eps))
 
 
+def norm_rope_fn(lanes: int, wsum, wsync):
+    """norm_rope(src, t, base, nwt, mode, inv, eps, mult, mscale, neox, n_rot, hd, p, buf, row, off, lane, xb): the
+    head src[t, base:base+hd] QK-normed (QK_HEAD: by its own rms, weights nwt[:hd]; QK_FULL: times inv, the row's
+    1/rms, weights nwt[base:]) and rotated at position p into buf[row, off:off+hd], by one warp of `lanes` lanes
+    (wsum(v, xb): the warp's sum in every lane; wsync(): the warp's barrier). Shared by qk_rope_kv and the decode
+    attention, which applies it to its own heads before attending: the same arithmetic (bit-identical heads on a
+    GPU; the simulator's one-lane warps of qk_rope_kv sum the squares in another order)."""
+    @cuda.jit(device=True)
+    def norm_rope(src, t, base, nwt, mode, inv, eps, mult, mscale, neox, n_rot, hd, p, buf, row, off, lane, xb):
+        if mode == QK_HEAD:
+            ss = np.float32(0.0)
+            for d in range(lane, hd, lanes):
+                x = src[t, base + d]
+                ss += x * x
+            ss = wsum(ss, xb)
+            inv = np.float32(1.0) / np.float32(math.sqrt(np.float64(ss) / hd + eps))
+        for d in range(lane, hd, lanes):
+            x = src[t, base + d]
+            if mode == QK_HEAD:
+                x = x * inv * nwt[d]
+            elif mode == QK_FULL:
+                x = x * inv * nwt[base + d]
+            buf[row, off + d] = x
+        wsync()
+        half = n_rot // 2
+        for i in range(lane, half, lanes):
+            if neox:
+                a = i
+                b = i + half
+            else:
+                a = 2 * i
+                b = a + 1
+            th = np.float64(p) * mult[i]
+            c = np.float32(math.cos(th) * mscale)
+            s = np.float32(math.sin(th) * mscale)
+            x0 = buf[row, off + a]
+            x1 = buf[row, off + b]
+            buf[row, off + a] = x0 * c - x1 * s
+            buf[row, off + b] = x0 * s + x1 * c
+        wsync()
+    return norm_rope
+
+
+@cuda.jit(device=True)
+def _wsum_qk(v, xb):
+    return _warp_sum(v)
+
+
+_norm_rope = norm_rope_fn(_QK_LANES, _wsum_qk, _syncwarp)
+
+
 @cuda.jit(cache=True)
 def _qk_rope_kv_k(q, k, v, qw, kw, mode, eps, mult, mscale, neox, n_rot, n_head, n_kv, hd, kc, vc, pos0, ntok):
     # grid (head groups, tokens): each warp owns one head (q heads, then k heads) of one token; the warp of kv head
@@ -178,7 +229,6 @@ def _qk_rope_kv_k(q, k, v, qw, kw, mode, eps, mult, mscale, neox, n_rot, n_head,
     tid = cuda.threadIdx.x
     lane = tid & (_QK_LANES - 1)
     w = tid >> _QK_SHIFT
-    half = n_rot // 2
     one = np.float32(1.0)
     for t in range(cuda.blockIdx.y, ntok, cuda.gridDim.y):
         p = pos0[0] + t
@@ -191,49 +241,14 @@ def _qk_rope_kv_k(q, k, v, qw, kw, mode, eps, mult, mscale, neox, n_rot, n_head,
             is_q = hh < n_head
             h = hh if is_q else hh - n_head
             base = h * hd
-            src = q if is_q else k
-            nwt = qw if is_q else kw
-            inv = invq if is_q else invk
-            if mode == QK_HEAD:
-                ss = np.float32(0.0)
+            if is_q:
+                _norm_rope(q, t, base, qw, mode, invq, eps, mult, mscale, neox, n_rot, hd, p, hb, w, 0, lane, red)
                 for d in range(lane, hd, _QK_LANES):
-                    x = src[t, base + d]
-                    ss += x * x
-                ss = _warp_sum(ss)
-                inv = one / np.float32(math.sqrt(np.float64(ss) / hd + eps))
-            for d in range(lane, hd, _QK_LANES):
-                x = src[t, base + d]
-                if mode == QK_HEAD:
-                    x = x * inv * nwt[d]
-                elif mode == QK_FULL:
-                    x = x * inv * nwt[base + d]
-                hb[w, d] = x
-            _syncwarp()
-            for i in range(lane, half, _QK_LANES):
-                if neox:
-                    a = i
-                    b = i + half
-                else:
-                    a = 2 * i
-                    b = a + 1
-                th = np.float64(p) * mult[i]
-                c = np.float32(math.cos(th) * mscale)
-                s = np.float32(math.sin(th) * mscale)
-                x0 = hb[w, a]
-                x1 = hb[w, b]
-                if is_q:
-                    q[t, base + a] = x0 * c - x1 * s
-                    q[t, base + b] = x0 * s + x1 * c
-                else:  # float32 -> float16 (round to nearest)
-                    kc[h, p, a] = x0 * c - x1 * s
-                    kc[h, p, b] = x0 * s + x1 * c
-            for d in range(n_rot + lane, hd, _QK_LANES):
-                if is_q:
                     q[t, base + d] = hb[w, d]
-                else:
-                    kc[h, p, d] = hb[w, d]
-            if not is_q:
+            else:  # float32 -> float16 (round to nearest)
+                _norm_rope(k, t, base, kw, mode, invk, eps, mult, mscale, neox, n_rot, hd, p, hb, w, 0, lane, red)
                 for d in range(lane, hd, _QK_LANES):
+                    kc[h, p, d] = hb[w, d]
                     vc[h, p, d] = v[t, base + d]
             _syncwarp()
         cuda.syncthreads()  # hb and red are reused by the next token

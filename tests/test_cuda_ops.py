@@ -214,6 +214,52 @@ def test_attention_prompt(shape, stream) -> None:
     np.testing.assert_allclose(out.copy_to_host()[:ntok].reshape(ntok, nh, hd), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [32, 2])
+@pytest.mark.parametrize("mode,neox,n_rot", [("none", False, 8), ("head", True, None), ("full", True, None)])
+@pytest.mark.parametrize("shape", ATT_SHAPES)
+def test_attention_decode_rope(shape, mode, neox, n_rot, heads, monkeypatch, stream) -> None:
+    """attention_decode with rope= (QK-norm, rope and the KV append inside the launch) against qk_rope_kv then
+    attention_decode: the same output (1e-5) and caches (the token's key within float16 rounding, its value
+    exact, every other row untouched), the new key in the first, a middle and the last chunk; partial rotary."""
+    monkeypatch.setattr(gatt, "DECODE_HEADS", heads)
+    nh, nkv, hd = shape
+    n_rot = hd if n_rot is None else n_rot
+    r = rng(40 + hd)
+    kc0, vc0 = _cache(41, nh, nkv, hd, CTX)
+    scale, eps, n_split = 1.0 / math.sqrt(hd), 1e-6, 4
+    mode_id = {"none": gops.QK_NONE, "head": gops.QK_HEAD, "full": gops.QK_FULL}[mode]
+    wq = r.uniform(0.5, 1.5, hd if mode != "full" else nh * hd).astype(np.float32)
+    wk = r.uniform(0.5, 1.5, hd if mode != "full" else nkv * hd).astype(np.float32)
+    mult, mscale = gops.rope_mult(n_rot, 1e6, 1.0, 0.0, 0.0, 0.0, None, 1.0)
+    scr_a, scr_b = gatt.decode_scratch(nh, hd, n_split), gatt.decode_scratch(nh, hd, n_split)
+    for pos in (0, 13, CTX - 1):
+        q = (r.standard_normal((1, nh * hd)) * 3).astype(np.float32)
+        k = (r.standard_normal((1, nkv * hd)) * 3).astype(np.float32)
+        v = r.standard_normal((1, nkv * hd)).astype(np.float32)
+        args = (dev(wq), dev(wk), mode_id, eps, dev(mult), mscale, neox, n_rot)
+        # two launches: q rotated in place, the key and value appended, then attention
+        dq, kca, vca, pa = dev(q), dev(kc0), dev(vc0), pos_dev(pos)
+        gops.qk_rope_kv(dq, dev(k), dev(v), *args, nh, nkv, hd, kca, vca, pa, 1, stream)
+        want = cuda.device_array((1, nh * hd), np.float32)
+        gatt.attention_decode(dq, kca, vca, pa, scale, want, scr_a, n_split, stream, 1)
+        # one launch
+        dq2, kcb, vcb = dev(q), dev(kc0), dev(vc0)
+        got = cuda.device_array((1, nh * hd), np.float32)
+        gatt.attention_decode(dq2, kcb, vcb, pos_dev(pos), scale, got, scr_b, n_split, stream, 1,
+                              rope=(dev(k), dev(v), *args))
+        np.testing.assert_allclose(got.copy_to_host(), want.copy_to_host(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(dq2.copy_to_host(), q)  # q itself is left as it was
+        ka, kb = kca.copy_to_host(), kcb.copy_to_host()
+        np.testing.assert_allclose(kb[:, pos].astype(np.float32), ka[:, pos].astype(np.float32), rtol=2e-3,
+                                   atol=1e-5)
+        assert not np.array_equal(kb[:, pos], kc0[:, pos])
+        np.testing.assert_array_equal(np.delete(kb, pos, axis=1), np.delete(kc0, pos, axis=1))
+        vb = vcb.copy_to_host()
+        np.testing.assert_array_equal(vb[:, pos], v.reshape(nkv, hd).astype(np.float16))
+        np.testing.assert_array_equal(np.delete(vb, pos, axis=1), np.delete(vc0, pos, axis=1))
+    np.testing.assert_array_equal(scr_b[3].copy_to_host(), 0)
+
+
 @pytest.mark.parametrize("renorm,scale", [(True, 1.0), (False, 2.5)])
 def test_route_topk(renorm: bool, scale: float, stream) -> None:
     r = rng(7)

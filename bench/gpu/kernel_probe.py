@@ -206,6 +206,34 @@ def main() -> None:
                 M.GU_WARPS, M.GU_ROWS = gu0
         return fn
 
+    # the output head: Q6_K 151,936 x 2048 with the final RMSNorm fused, at forced block shapes (warps, rows a warp)
+    NV = 64 if SIM else 151936
+    hw = rng.integers(0, 256, (NV, row_bytes(Q6_K, D)), dtype=np.uint8)
+    hw.reshape(NV, -1, 210)[..., 208:210] = small
+    hw = cuda.to_device(hw)
+    hl = cuda.to_device(np.zeros((1, NV), np.float32))
+
+    def head(shape):
+        def fn(st):
+            M._mv_shape = lambda k, total: shape
+            try:
+                M.matvec([(Q6_K, hw, hl, False)], xr, st, norm=nrm, eps=1e-6, q8=True)
+            finally:
+                M._mv_shape = shape0
+        return fn
+
+    # decode attention at 130 keys, the engine's shape, with and without the QK-norm + rope + KV append inside
+    pos.copy_to_device(np.array([129], np.int32))
+    ns_e = A.choose_n_split(ctx, NKV, n_sm)
+    att_scratch = A.decode_scratch(NH, HD, ns_e)
+    att_out = cuda.to_device(np.zeros((1, NH * HD), np.float32))
+
+    def attention(fused):
+        def fn(st):
+            A.attention_decode(qf, kc, vc, pos, scale, att_out, att_scratch, ns_e, st,
+                               rope=(kf, vf, nw, nw, O.QK_HEAD, 1e-6, md, msc, True, HD) if fused else None)
+        return fn
+
     def expert_down(q8, rows=rd0):
         def fn(st):
             M.MV_ROWS_DOWN_Q8 = rows
@@ -216,7 +244,9 @@ def main() -> None:
         return fn
 
     ebuf = cuda.to_device(np.zeros(1, np.float32))
-    cases = [("QK-norm + rope + KV append", rope), ("route top-k", topk)]
+    cases = [("QK-norm + rope + KV append", rope), ("decode attention, 130 keys (engine shape)", attention(False)),
+             ("decode attention, 130 keys, QK-norm + rope + KV append inside", attention(True)),
+             ("route top-k", topk)]
     cases += [(f"router F32 128 x 2048 + norm, {w} warps x {r} rows ({-(-E // (w * r))} blocks)", router((w, r)))
               for w, r in (((1, 1), (1, 2)) if SIM else ((8, 1), (4, 1), (2, 1), (1, 1), (1, 2)))]
     cases.append(("router F32 128 x 2048 + norm + the row's int8 form (engine shape)", router_q8))
@@ -228,6 +258,10 @@ def main() -> None:
     cases.append(("experts down x8, float", expert_down(False)))
     for rows in ((rd0,) if SIM else (2, 4, 1)):
         cases.append((f"experts down x8, int8, 8 warps x {rows} rows", expert_down(True, rows)))
+    hs0 = shape0(D, NV)
+    for w, r in ((hs0,) if SIM else (hs0, (8, 4), (8, 8), (4, 8), (8, 2))):
+        cases.append((f"head Q6_K {NV} x 2048 + norm, int8, {w} warps x {r} rows"
+                      f"{' (engine)' if (w, r) == hs0 else ''} ({-(-NV // (w * r))} blocks)", head((w, r))))
     cases.append(("empty kernel (1 block)", lambda st: _empty[1, 32, st](ebuf)))
     print()
     print("| kernel | warm | cold |")

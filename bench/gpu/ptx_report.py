@@ -112,9 +112,12 @@ def main() -> None:
     i64 = np.zeros(1, np.int64)
     report(O._route_topk_k, (f32(1, 128), 8, True, 1.0, i32(1, 8), f32(1, 8), 1, 1, f32(1, D), i32(128), f32(1, D),
                              i32(1, 8), f32(1, 8), i32(1, 8), i32(1), i64, i64), "route_topk")
-    part, _ = A._kernels(128, 8, A._GPU_WARPS, False)
-    report(part, (f32(1, QD), f16(4, 64, 128), f16(4, 64, 128), i32(1), 0.1, f32(32, 64), f32(32, 64),
-                  f32(32, 64, 128), i32(32), f32(1, QD), 64, 8, 1, 64), "attention_decode")
+    part, fused, _ = A._kernels(128, 4, A._GPU_WARPS, False)
+    att = (f32(1, QD), f16(4, 64, 128), f16(4, 64, 128), i32(1), 0.1, f32(32, 64), f32(32, 64), f32(32, 64, 128),
+           i32(32), f32(1, QD), 64, 8, 2, 64)
+    report(part, att + (f32(1, QD), f32(1, QD), f32(1), f32(1), 0, 0.0, f32(1), 1.0, False, 0), "attention_decode")
+    report(fused, att + (f32(1, 512), f32(1, 512), f32(128), f32(128), 1, 1e-6, np.zeros(64), 1.0, True, 128),
+           "attention_decode_rope")
     from strata_nb.cuda_kernels import prefetch as P
     report(P._touch_k, (u8, u32[:1]), "l2_touch")
     report(P._touch_slots_k, (u8, 100, 0, 50, i32(128), i32(1, 8), u32[:1]), "l2_touch_slots")
