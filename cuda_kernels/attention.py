@@ -17,7 +17,9 @@ and the last block of a head group to finish (an atomic count) merges the live o
 length return at once: a short context costs a few chunks, not n_split of a few keys each. A decode launch is
 latency-bound (a warp per scheduler runs a ~900-instruction step per nk keys), so a block has 8 warps: on an H100
 (bench/gpu/kernel_probe.py) 19.6 / 24.9 / 64.8 us at 130 / 1,024 / 4,096 keys against 26.3 / 33.7 / 76.8 at 4 warps;
-16-key or 32-key chunks only paid below ~200 keys. With rope= a decode block first QK-norms and rotates its own
+16-key or 32-key chunks only paid below ~200 keys. So a launch has two forms, picked on the device from the length
+(SHORT): a short context takes blocks of fewer heads and shorter chunks (more blocks in flight), a long one the
+long form; the grid holds either form's blocks (the other's extra blocks return at once). With rope= a decode block first QK-norms and rotates its own
 query heads into shared memory and, in the chunk of the new position, the token's key (appending it and the value
 to the cache), so the engine's decode needs no qk_rope_kv launch (H100 decode graph: 15.6 + 7.2 us -> 20.6 us). A compact kernel that staged 32 keys in shared memory and scored
 them thread-per-(key, head) was 1.3-8x slower there (its serial per-thread loops), and was dropped.
@@ -43,6 +45,14 @@ _GPU_WARPS = 8  # warps per attention block on a GPU (kernel_probe.py: 4 warps t
 # whole group) 18.2 / 23.7 / 63.1, 4 heads 13.5 / 17.6 / 61.4, 2 heads 10.9 / 22.2 / 79.7: 4 is ahead of the whole
 # group at every length. Prompt blocks always take the whole group (their tokens are the parallelism).
 DECODE_HEADS = 4
+# The form of a short context (heads a block, keys a chunk at least, up to how many keys), chosen on the device at
+# every launch: a short context gives the long form few blocks (at 130 keys 24 of 40), each a serial chain of
+# steps; H100, 130 keys, 5-9 splits: 2 heads and 32-key chunks 9.98 us against 13.67. Off (0 keys): at the split
+# count the engine fixes (66 for a 4k context) the short form's dead blocks cost more than it gains (18.1 vs 16.2
+# us, H100, bench/results/gpu_decode_trace.md); TRIAL_SHORT is kernel_probe.py's candidate until the tasks run
+# over the live chunks only.
+TRIAL_SHORT = (2, 32, 448)
+SHORT = (2, 32, 0)
 _SIM_WARPS = 1  # in the simulator (the butterfly test runs 2, to exercise the merge of warps there)
 # How the simulator sums a warp's dot products: "smem" (one shared-memory round, fast there) or "emul" (the GPU's
 # shuffle butterfly with shuffles emulated through shared memory: slow, a test runs it once on a tiny case).
@@ -130,12 +140,14 @@ def _bcast_sim(v, src, xb):
 _KERNELS: dict = {}
 
 
-def _kernels(hd: int, gp: int, nw: int, sim: bool):
+def _kernels(hd: int, gp: int, gps: int, nw: int, sim: bool):
+    """(decode, decode with rope, prompt) for head_dim hd, padded groups gp (long contexts and prompts) and gps
+    (short contexts) of query heads a block, nw warps."""
     exchange = _SIM_EXCHANGE if sim else "shfl"
-    key = (hd, gp, nw, exchange, _BRANCH_FREE, _FAST_EXP)
+    key = (hd, gp, gps, nw, exchange, _BRANCH_FREE, _FAST_EXP)
     ks = _KERNELS.get(key)
     if ks is None:
-        ks = _KERNELS[key] = _build(hd, gp, nw, exchange, _exp_fast if _FAST_EXP else _exp_exact)
+        ks = _KERNELS[key] = _build(hd, gp, gps, nw, exchange, _exp_fast if _FAST_EXP else _exp_exact)
     return ks
 
 
@@ -295,17 +307,23 @@ def _attend_source(hd: int, gp: int, nw: int, nk: int, exchange: str) -> str:
     return "\n".join(o) + "\n"
 
 
-def _build(hd: int, gp: int, nw: int, exchange: str, ex):
-    nk = _keys_per_step(gp)
+def _build(hd: int, gp: int, gps: int, nw: int, exchange: str, ex):
     nt = 32 * nw
+    gmax = max(gp, gps)
     sim = exchange != "shfl"
     smem = exchange == "smem"
-    xs_shape = (nw, 32, nk * gp) if smem else (1, 1, 1)
+    xs_shape = (nw, 32, max(_keys_per_step(gp) * gp, _keys_per_step(gps) * gps)) if smem else (1, 1, 1)
     xor = _xor_sim if sim else _xor_gpu
-    ns = {"cuda": cuda, "np": np, "fexp": ex, "f32": np.float32, "xor": xor,
-          "bcast": _bcast_sim if sim else _bcast_gpu}
-    exec(compile(_attend_source(hd, gp, nw, nk, exchange), f"<attention hd={hd} gp={gp} nw={nw}>", "exec"), ns)
-    attend = cuda.jit(device=True)(ns["attend"])
+
+    def attend_fn(g: int):
+        ns = {"cuda": cuda, "np": np, "fexp": ex, "f32": np.float32, "xor": xor,
+              "bcast": _bcast_sim if sim else _bcast_gpu}
+        src = _attend_source(hd, g, nw, _keys_per_step(g), exchange)
+        exec(compile(src, f"<attention hd={hd} gp={g} nw={nw}>", "exec"), ns)
+        return cuda.jit(device=True)(ns["attend"])
+
+    attend = attend_fn(gp)
+    attend_s = attend if gps == gp else attend_fn(gps)
 
     @cuda.jit(device=True)
     def wsum(v, xb):
@@ -336,14 +354,15 @@ def _build(hd: int, gp: int, nw: int, exchange: str, ex):
         return mx, tot
 
     def make_decode(rope: bool):
-        qs_shape, ks_shape = ((1, gp * hd), (1, hd)) if rope else ((1, 1), (1, 1))
+        qs_shape, ks_shape = ((1, gmax * hd), (1, hd)) if rope else ((1, 1), (1, 1))
 
         @cuda.jit
-        def decode_partial(q, kc, vc, pos0, scale, part_m, part_l, part_o, cnt, out, n_split, grp, n_sub, min_chunk,
+        def decode_partial(q, kc, vc, pos0, scale, part_m, part_l, part_o, cnt, out, n_split, grp, n_sub_l,
+                           min_chunk_l, n_sub_s, min_chunk_s, short_keys,
                            kx, vx, qn, kn, mode, eps, mult, mscale, neox, n_rot):
-            so = cuda.shared.array((gp, hd), np.float32)
-            smw = cuda.shared.array((nw, gp), np.float32)
-            slw = cuda.shared.array((nw, gp), np.float32)
+            so = cuda.shared.array((gmax, hd), np.float32)
+            smw = cuda.shared.array((nw, gmax), np.float32)
+            slw = cuda.shared.array((nw, gmax), np.float32)
             xb = cuda.shared.array(nt, np.float32)
             xs = cuda.shared.array(xs_shape, np.float32)
             qs = cuda.shared.array(qs_shape, np.float32)
@@ -354,7 +373,12 @@ def _build(hd: int, gp: int, nw: int, exchange: str, ex):
             w = tid >> 5
             sc = np.float32(scale)
             n = pos0[0] + 1
-            chunk = max(min_chunk, (n + n_split - 1) // n_split)
+            # the decomposition of this launch, the same for every block: a short context takes the short form
+            # (fewer heads a block, shorter chunks: more blocks in flight), a long one the long form
+            short = n <= short_keys
+            gpx = gps if short else gp
+            n_sub = n_sub_s if short else n_sub_l
+            chunk = max(min_chunk_s if short else min_chunk_l, (n + n_split - 1) // n_split)
             nl = (n + chunk - 1) // chunk  # live chunks (<= n_split)
             ntask = kc.shape[0] * n_sub * n_split
             for task in range(cuda.blockIdx.x, ntask, cuda.gridDim.x):
@@ -365,8 +389,8 @@ def _build(hd: int, gp: int, nw: int, exchange: str, ex):
                 gs = task // n_split
                 g = gs // n_sub
                 sub = gs - g * n_sub
-                hq0 = g * grp + sub * gp
-                nq = min(gp, grp - sub * gp)
+                hq0 = g * grp + sub * gpx
+                nq = min(gpx, grp - sub * gpx)
                 j1 = min(n, j0 + chunk)
                 if rope:
                     # QK-norm + rope of the block's query heads (into qs) and, in the blocks of the chunk that
@@ -391,7 +415,12 @@ def _build(hd: int, gp: int, nw: int, exchange: str, ex):
                                 kc[g, p, d] = ks[0, d]
                                 vc[g, p, d] = vx[0, g * hd + d]
                     cuda.syncthreads()
-                    attend(qs, 0, 0, nq, kc, vc, g, j0, max(j0, j1), sc, smw, slw, so, xb, xs)
+                    if short:
+                        attend_s(qs, 0, 0, nq, kc, vc, g, j0, max(j0, j1), sc, smw, slw, so, xb, xs)
+                    else:
+                        attend(qs, 0, 0, nq, kc, vc, g, j0, max(j0, j1), sc, smw, slw, so, xb, xs)
+                elif short:
+                    attend_s(q, 0, hq0, nq, kc, vc, g, j0, max(j0, j1), sc, smw, slw, so, xb, xs)
                 else:
                     attend(q, 0, hq0, nq, kc, vc, g, j0, max(j0, j1), sc, smw, slw, so, xb, xs)
                 for h in range(tid, nq, nt):
@@ -476,15 +505,22 @@ def _group(n_head: int, n_kv: int, max_gp: int = 32) -> tuple[int, int, int]:
 
 
 def attention_decode(q, kc, vc, pos0, scale: float, out, scratch, n_split: int, stream,
-                     min_chunk: int = MIN_CHUNK, heads: int | None = None, rope=None) -> None:
+                     min_chunk: int = MIN_CHUNK, heads: int | None = None, rope=None, short=None) -> None:
     """One query token at position pos0[0] (sees cache 0..pos0[0]); q, out f32[1, H*hd]; kc, vc f16[Hkv, ctx, hd];
     scratch: decode_scratch(H, hd, n_split). n_split is fixed at capture; chunks hold at least min_chunk keys; a
-    block takes at most `heads` query heads (a power of two <= 32; None: DECODE_HEADS). rope: None (q is rotated
-    and the token's key and value are in the cache), or (k, v, q_norm, k_norm, mode, eps, mult, mscale, neox, n_rot)
-    as ops.qk_rope_kv takes them: the launch does that op's work for this token itself (q is left as it was)."""
+    block takes at most `heads` query heads (a power of two <= 32; None: DECODE_HEADS). short: (heads, min_chunk,
+    max_keys) of the form a context of at most max_keys keys takes instead, decided on the device at every launch
+    (None: SHORT; max_keys 0: never). rope: None (q is rotated and the token's key and value are in the cache), or
+    (k, v, q_norm, k_norm, mode, eps, mult, mscale, neox, n_rot) as ops.qk_rope_kv takes them: the launch does that
+    op's work for this token itself (q is left as it was)."""
     heads = DECODE_HEADS if heads is None else heads
-    if heads not in (1, 2, 4, 8, 16, 32):
-        raise StrataError(f"attention_decode: {heads} query heads a block (a power of two up to 32)")
+    heads_s, min_chunk_s, short_keys = SHORT if short is None else short
+    for hh in (heads, heads_s):
+        if hh not in (1, 2, 4, 8, 16, 32):
+            raise StrataError(f"attention_decode: {hh} query heads a block (a power of two up to 32)")
+    if min(min_chunk, min_chunk_s) < 1 or short_keys < 0:
+        raise StrataError(f"attention_decode: chunks of at least {min_chunk} / {min_chunk_s} keys, short form up to "
+                          f"{short_keys} keys")
     part_m, part_l, part_o, cnt = scratch
     n_kv, _, hd = kc.shape
     n_head = part_m.shape[0]
@@ -493,11 +529,12 @@ def attention_decode(q, kc, vc, pos0, scale: float, out, scratch, n_split: int, 
         raise StrataError(f"attention_decode: scratch shapes {part_m.shape}/{part_o.shape} do not fit "
                           f"n_split={n_split} (at most {_MAX_SPLIT}), head_dim {hd}")
     grp, gp, n_sub = _group(n_head, n_kv, heads)
+    _, gps, n_sub_s = _group(n_head, n_kv, heads_s) if short_keys > 0 else (grp, gp, n_sub)
     sim = bool(config.ENABLE_CUDASIM)
-    ntask = n_kv * n_sub * n_split
-    blocks = min(ntask, 2) if sim else ntask
+    ntask = n_kv * max(n_sub, n_sub_s) * n_split  # a block a task of either form (the other form's extra blocks
+    blocks = min(ntask, 2) if sim else ntask      # return at once)
     nw = _SIM_WARPS if sim else _GPU_WARPS
-    plain, fused, _ = _kernels(hd, gp, nw, sim)
+    plain, fused, _ = _kernels(hd, gp, gps, nw, sim)
     if rope is None:
         kern, extra = plain, (q, q, q[0], q[0], 0, 0.0, q[0], 1.0, False, 0)
     else:
@@ -508,7 +545,7 @@ def attention_decode(q, kc, vc, pos0, scale: float, out, scratch, n_split: int, 
         kern, extra = fused, (k, v, q_norm, k_norm, int(mode), float(eps), mult, float(mscale), bool(neox),
                               int(n_rot))
     kern[blocks, 32 * nw, stream](q, kc, vc, pos0, float(scale), part_m, part_l, part_o, cnt, out, n_split, grp,
-                                  n_sub, int(min_chunk), *extra)
+                                  n_sub, int(min_chunk), n_sub_s, int(min_chunk_s), int(short_keys), *extra)
 
 
 def attention_prompt(q, kc, vc, pos0, scale: float, out, ntok: int, stream) -> None:
@@ -521,7 +558,7 @@ def attention_prompt(q, kc, vc, pos0, scale: float, out, ntok: int, stream) -> N
     grp, gp, n_sub = _group(n_head, n_kv)
     sim = bool(config.ENABLE_CUDASIM)
     nw = _SIM_WARPS if sim else _GPU_WARPS
-    _, _, prompt = _kernels(hd, gp, nw, sim)
+    _, _, prompt = _kernels(hd, gp, gp, nw, sim)
     ntask = ntok * n_kv * n_sub
     blocks = min(ntask, 2) if sim else min(ntask, 1 << 20)
     prompt[blocks, 32 * nw, stream](q, kc, vc, pos0, float(scale), out, ntok, grp, n_sub)

@@ -170,12 +170,19 @@ def _cache(seed: int, n_head: int, n_kv: int, hd: int, fill: int):
 ATT_SHAPES = [(H, HKV, HD), (6, 2, 40)]  # the second: a group of 3 (padded to 4) and a head_dim not a multiple of 32
 
 
+def _short_form(heads: int, on: bool) -> tuple[int, int, int]:
+    """attention_decode's short= for a test: off, or another head count and chunk up to 8 keys (positions 0 and 2
+    take it, 13 and CTX - 1 the long form: one scratch serves both)."""
+    return (1 if heads != 1 else 2, 3, 8) if on else (heads, 1, 0)
+
+
+@pytest.mark.parametrize("short", [False, True])
 @pytest.mark.parametrize("heads", [32, 2, 1])
 @pytest.mark.parametrize("min_chunk", [1, 64])
 @pytest.mark.parametrize("shape", ATT_SHAPES)
-def test_attention_decode(shape, min_chunk, heads, monkeypatch, stream) -> None:
+def test_attention_decode(shape, min_chunk, heads, short, monkeypatch, stream) -> None:
     """Against the CPU kernel, with a kv head's query heads in one block (32: the whole group) or split over
-    blocks of 2 (the second block of a group of 3 takes one head) or 1."""
+    blocks of 2 (the second block of a group of 3 takes one head) or 1; with short contexts in another form."""
     monkeypatch.setattr(gatt, "DECODE_HEADS", heads)
     nh, nkv, hd = shape
     kc, vc = _cache(3, nh, nkv, hd, CTX)
@@ -191,7 +198,8 @@ def test_attention_decode(shape, min_chunk, heads, monkeypatch, stream) -> None:
         q = r.standard_normal((1, nh * hd)).astype(np.float32)
         pos_d.copy_to_device(np.array([pos], np.int32))
         out = cuda.device_array((1, nh * hd), np.float32)
-        gatt.attention_decode(dev(q), dkc, dvc, pos_d, scale, out, scratch, n_split, stream, min_chunk)
+        gatt.attention_decode(dev(q), dkc, dvc, pos_d, scale, out, scratch, n_split, stream, min_chunk,
+                              short=_short_form(heads, short))
         want = np.empty((1, nh, hd), np.float32)
         cpu.attention(q.reshape(1, nh, hd), kc.astype(np.float32), vc.astype(np.float32), pos, np.float32(scale),
                       want)
@@ -214,13 +222,14 @@ def test_attention_prompt(shape, stream) -> None:
     np.testing.assert_allclose(out.copy_to_host()[:ntok].reshape(ntok, nh, hd), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("heads", [32, 2])
+@pytest.mark.parametrize("heads,short", [(32, False), (2, False), (32, True)])
 @pytest.mark.parametrize("mode,neox,n_rot", [("none", False, 8), ("head", True, None), ("full", True, None)])
 @pytest.mark.parametrize("shape", ATT_SHAPES)
-def test_attention_decode_rope(shape, mode, neox, n_rot, heads, monkeypatch, stream) -> None:
+def test_attention_decode_rope(shape, mode, neox, n_rot, heads, short, monkeypatch, stream) -> None:
     """attention_decode with rope= (QK-norm, rope and the KV append inside the launch) against qk_rope_kv then
     attention_decode: the same output (1e-5) and caches (the token's key within float16 rounding, its value
-    exact, every other row untouched), the new key in the first, a middle and the last chunk; partial rotary."""
+    exact, every other row untouched), the new key in the first, a middle and the last chunk; partial rotary;
+    position 0 in the short form where short."""
     monkeypatch.setattr(gatt, "DECODE_HEADS", heads)
     nh, nkv, hd = shape
     n_rot = hd if n_rot is None else n_rot
@@ -241,12 +250,12 @@ def test_attention_decode_rope(shape, mode, neox, n_rot, heads, monkeypatch, str
         dq, kca, vca, pa = dev(q), dev(kc0), dev(vc0), pos_dev(pos)
         gops.qk_rope_kv(dq, dev(k), dev(v), *args, nh, nkv, hd, kca, vca, pa, 1, stream)
         want = cuda.device_array((1, nh * hd), np.float32)
-        gatt.attention_decode(dq, kca, vca, pa, scale, want, scr_a, n_split, stream, 1)
+        gatt.attention_decode(dq, kca, vca, pa, scale, want, scr_a, n_split, stream, 1, short=(heads, 1, 0))
         # one launch
         dq2, kcb, vcb = dev(q), dev(kc0), dev(vc0)
         got = cuda.device_array((1, nh * hd), np.float32)
         gatt.attention_decode(dq2, kcb, vcb, pos_dev(pos), scale, got, scr_b, n_split, stream, 1,
-                              rope=(dev(k), dev(v), *args))
+                              rope=(dev(k), dev(v), *args), short=_short_form(heads, short))
         np.testing.assert_allclose(got.copy_to_host(), want.copy_to_host(), rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(dq2.copy_to_host(), q)  # q itself is left as it was
         ka, kb = kca.copy_to_host(), kcb.copy_to_host()
@@ -366,9 +375,10 @@ def test_sigmoid_gate(stream) -> None:
     np.testing.assert_array_equal(got[2], h[2])
 
 
-def test_attention_decode_shuffle_butterfly(monkeypatch, stream) -> None:
-    """The GPU's shuffle butterfly (gp = 4: two halving steps) with the shuffles emulated, and two warps merged
-    per block; on a GPU the real shuffles and its own warp count."""
+@pytest.mark.parametrize("short", [(4, 1, 0), (2, 1, 8)])
+def test_attention_decode_shuffle_butterfly(short, monkeypatch, stream) -> None:
+    """The GPU's shuffle butterfly (gp = 4: two halving steps; the short form's gp = 2: one) with the shuffles
+    emulated, and two warps merged per block; on a GPU the real shuffles and its own warp count."""
     from numba import config
     if config.ENABLE_CUDASIM:
         monkeypatch.setattr(gatt, "_SIM_EXCHANGE", "emul")
@@ -380,7 +390,8 @@ def test_attention_decode_shuffle_butterfly(monkeypatch, stream) -> None:
     scratch = gatt.decode_scratch(nh, hd, n_split)
     q = rng(12).standard_normal((1, nh * hd)).astype(np.float32)
     out = cuda.device_array((1, nh * hd), np.float32)
-    gatt.attention_decode(dev(q), dev(kc), dev(vc), pos_dev(pos), scale, out, scratch, n_split, stream, min_chunk=1)
+    gatt.attention_decode(dev(q), dev(kc), dev(vc), pos_dev(pos), scale, out, scratch, n_split, stream, min_chunk=1,
+                          heads=4, short=short)
     want = np.empty((1, nh, hd), np.float32)
     cpu.attention(q.reshape(1, nh, hd), kc.astype(np.float32), vc.astype(np.float32), pos, np.float32(scale), want)
     np.testing.assert_allclose(out.copy_to_host().reshape(1, nh, hd), want, rtol=1e-5, atol=1e-5)

@@ -1,13 +1,14 @@
 """Time the decode attention kernels alone, and the small per-layer kernels, warm and after an L2 flush (GPU machine).
 
-    python3 bench/gpu/kernel_probe.py [--keys 130,1024,4096] [--reps 40] [--no-attention]
+    python3 bench/gpu/kernel_probe.py [--keys 130,256,448,640,1024,4096] [--reps 40] [--no-attention]
 
 Qwen3-30B-A3B's attention shapes (32 query heads over 4 kv heads of 128 dims, float16 cache). Each case is a CUDA
 graph of `reps` launches replayed 5 times (median, per launch): "warm" back to back (code and data in L2), "cold"
 with a kernel that writes 160 MB between launches (L2 flushed: weights, KV rows and kernel code come from HBM, as
 in a decode token where ~30 MB of weights pass through L2 between one layer's launch of a kernel and the next),
 less the same graph of flushes alone. Attention variants: warps per block x the least keys per chunk x the query
-heads a block takes (the engine's first, then the same with the accurate exp; outputs compared with the first).
+heads a block takes (the engine's first: its short form up to SHORT's keys, its long form beyond; then the long
+form alone, with the accurate exp, and fixed forms; outputs compared with the first).
 Then QK-norm + rope + KV append, route top-k, the router's matrix-vector launch (F32 128 x 2048 with the RMSNorm
 fused) at several block shapes and with the int8 form of its row written for the experts, the experts of a decode
 token (8 choices of Qwen3-30B-A3B's Q4_K gate+up 2 x 768 x 2048 and Q6_K down 2048 x 768 in VRAM slots: the
@@ -82,7 +83,7 @@ def timed(fn, stream, reps: int, flush=None) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--keys", default="130,1024,4096")
+    ap.add_argument("--keys", default="130,256,448,640,1024,4096")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--flush-mb", type=int, default=160)
     ap.add_argument("--no-attention", action="store_true", help="only the small kernels and the experts")
@@ -105,23 +106,25 @@ def main() -> None:
               f"of {a.reps})")
         print("| keys | variant | n_split | blocks | warm | cold | max rel diff vs the first |")
         print("|---|---|---|---|---|---|---|")
+    ns = A.choose_n_split(ctx, NKV, n_sm)  # as the engine fixes it at capture, from the context size
+    off = (1, 1, 0)
     for n in ([] if a.no_attention else keys):
         pos.copy_to_device(np.array([n - 1], np.int32))
         ref = None
-        for nw, mc, fast, heads in ((engine_warps, A.MIN_CHUNK, True, engine_heads),
-                                    (engine_warps, A.MIN_CHUNK, False, engine_heads), (4, 64, True, engine_heads),
-                                    (8, 32, True, engine_heads), (8, 16, True, engine_heads), (8, 64, True, 8),
-                                    (8, 64, True, 2), (8, 64, True, 1), (8, 32, True, 2), (4, 64, True, 2)):
+        # (warps, least keys a chunk, fast exp, heads a block, short form): the engine's first
+        for nw, mc, fast, heads, short in ((engine_warps, A.MIN_CHUNK, True, engine_heads, A.SHORT),
+                                           (engine_warps, A.MIN_CHUNK, True, engine_heads, A.TRIAL_SHORT),
+                                           (engine_warps, A.MIN_CHUNK, True, engine_heads, off),
+                                           (engine_warps, A.MIN_CHUNK, False, engine_heads, off),
+                                           (8, 32, True, 2, off), (8, 64, True, 2, off), (8, 32, True, 4, off),
+                                           (8, 16, True, 2, off), (8, 32, True, 1, off), (4, 32, True, 2, off)):
             A._GPU_WARPS = nw  # (the simulator runs its own one warp)
             A._FAST_EXP = fast
-            A.DECODE_HEADS = heads
-            want = max(1, (4 * n_sm) // NKV)
-            ns = int(max(1, min(A._MAX_SPLIT, want, -(-(n + 128) // mc))))
             scratch = A.decode_scratch(NH, HD, ns)
             out = cuda.to_device(np.zeros((1, NH * HD), np.float32))
 
-            def fn(st, scratch=scratch, out=out, ns=ns, mc=mc):
-                A.attention_decode(q, kc, vc, pos, scale, out, scratch, ns, st, mc)
+            def fn(st, scratch=scratch, out=out, mc=mc, heads=heads, short=short):
+                A.attention_decode(q, kc, vc, pos, scale, out, scratch, ns, st, mc, heads=heads, short=short)
 
             warm = timed(fn, stream, a.reps)
             cold = timed(fn, stream, a.reps, flush)
@@ -130,12 +133,15 @@ def main() -> None:
             if ref is None:
                 ref = got
             diff = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
-            chunk = max(mc, -(-n // ns))
-            ex = "" if fast else ", exact exp"
-            _, gp, n_sub = A._group(NH, NKV, heads)
+            use_s = n <= short[2]
+            hb, mcx = (short[0], short[1]) if use_s else (heads, mc)
+            chunk = max(mcx, -(-n // ns))
+            _, gp, n_sub = A._group(NH, NKV, hb)
             nb = NKV * n_sub
-            print(f"| {n} | {nw} warps, >= {mc} keys, {gp} heads a block{ex} | {ns} | {nb * ns} "
-                  f"({nb * -(-n // chunk)} live) | {warm:.2f} | {cold:.2f} | {diff:.2e} |")
+            form = (f"up to {short[2]} keys {short[0]} heads / >= {short[1]} keys, else " if short[2] else "")
+            ex = "" if fast else ", exact exp"
+            print(f"| {n} | {form}{nw} warps, >= {mc} keys, {min(heads, 8)} heads a block{ex} | {ns} | "
+                  f"{nb * -(-n // chunk)} live | {warm:.2f} | {cold:.2f} | {diff:.2e} |")
     A._GPU_WARPS, A._FAST_EXP, A.DECODE_HEADS = engine_warps, True, engine_heads
 
     # QK-norm + rope + KV append, route top-k (128 experts, top 8)

@@ -93,13 +93,14 @@ def main() -> None:
     D, F, QD = 2048, 768, 4096
     rb4, rb6, rbo, rbf = D // 256 * 144, D // 256 * 210, QD // 256 * 144, F // 256 * 210
     m4 = (u8, u32, f16v, rb4, 8, f32(1, 8), 0)
+    q8x = (np.zeros((1, D // 4), np.uint32), f32(1, D // 32), f32(1, D // 16))  # the int8 form written (q8_out)
     for warps, rows in sorted({M._mv_shape(D, 5120), M._mv_shape(D, 128), M._mv_shape(QD, D)}):
         fn = M._dense_fn(((Q4_K, 4), (Q4_K, 4), (Q6_K, 2)), D, rows, warps, True)
-        report(fn, (f32(1, D), f32(D), 1e-6, f32(1, D), 0, *m4, 1, *m4, 1, u8, u16, f16v, rb6, 8, f32(1, 8), 0),
-               f"dense_{warps}x{rows}")
+        report(fn, (f32(1, D), f32(D), 1e-6, f32(1, D), 0, *m4, 1, *m4, 1, u8, u16, f16v, rb6, 8, f32(1, 8), 0,
+                    *q8x), f"dense_{warps}x{rows}")
     fr = M._dense_fn(((F32, 4),), D, 1, M._mv_shape(D, 128)[0], True)
     mr = (u8, u32, f16v, 4 * D, 128, f32(1, 128), 0)
-    report(fr, (f32(1, D), f32(D), 1e-6, f32(1, D), 1, *mr, 1, *mr, 0, *mr), "router_norm")
+    report(fr, (f32(1, D), f32(D), 1e-6, f32(1, D), 1, *mr, 1, *mr, 0, *mr, *q8x), "router_norm")
     report(M._gate_up_fn((Q4_K, 4), (Q4_K, 4), D, M.MV_ROWS),
            (u8, u32, f16v, u8, u32, f16v, 100, 0, 0, rb4, rb4, F, i32(128), i32(1, 8), f32(1, D), f32(8, F), 1),
            "moe_gate_up")
@@ -112,10 +113,13 @@ def main() -> None:
     i64 = np.zeros(1, np.int64)
     report(O._route_topk_k, (f32(1, 128), 8, True, 1.0, i32(1, 8), f32(1, 8), 1, 1, f32(1, D), i32(128), f32(1, D),
                              i32(1, 8), f32(1, 8), i32(1, 8), i32(1), i64, i64), "route_topk")
-    part, fused, _ = A._kernels(128, 4, A._GPU_WARPS, False)
+    part, fused, _ = A._kernels(128, A.DECODE_HEADS, A.SHORT[0], A._GPU_WARPS, False)
+    long_only, _, _ = A._kernels(128, A.DECODE_HEADS, A.DECODE_HEADS, A._GPU_WARPS, False)
     att = (f32(1, QD), f16(4, 64, 128), f16(4, 64, 128), i32(1), 0.1, f32(32, 64), f32(32, 64), f32(32, 64, 128),
-           i32(32), f32(1, QD), 64, 8, 2, 64)
+           i32(32), f32(1, QD), 64, 8, 2, 64, 4, 32, 448)
     report(part, att + (f32(1, QD), f32(1, QD), f32(1), f32(1), 0, 0.0, f32(1), 1.0, False, 0), "attention_decode")
+    report(long_only, att + (f32(1, QD), f32(1, QD), f32(1), f32(1), 0, 0.0, f32(1), 1.0, False, 0),
+           "attention_decode_long")
     report(fused, att + (f32(1, 512), f32(1, 512), f32(128), f32(128), 1, 1e-6, np.zeros(64), 1.0, True, 128),
            "attention_decode_rope")
     from strata_nb.cuda_kernels import prefetch as P
