@@ -85,7 +85,7 @@ def _dispatchers():
 
 def test_no_kernel_uses_fastmath():
     found = dict(_dispatchers())
-    assert {"ops.rmsnorm", "ops.attention_block", "ops._attend", "dot_float.fdot", "actq.quantize_row",
+    assert {"ops.rmsnorm", "ops.attention_block", "ops._attend_heads", "dot_float.fdot", "actq.quantize_row",
             "matmul.moe_ffn_for"} <= set(found)
     bad = [name for name, d in found.items() if d.targetoptions.get("fastmath")]
     assert not bad, f"kernels with fastmath (their float sums are reordered per compile): {bad}"
