@@ -106,8 +106,10 @@ def test_rope_matches_ggml_formula(neox, yarn):
     np.testing.assert_array_equal(y[:, :, n_rot:], x[:, :, n_rot:])
 
 
-def test_causal_gqa_attention():
-    t, h, hkv, hd, pos0 = 5, 6, 2, 16, 3
+@pytest.mark.parametrize("h,hkv", [(6, 2), (12, 2), (8, 1)])
+def test_causal_gqa_attention(h, hkv):
+    """Groups of 3, 6 and 8 query heads: a task takes up to ops.ATT_HEADS of a group (6 = 4 + 2)."""
+    t, hd, pos0 = 5, 16, 3
     q = RNG.standard_normal((t, h, hd)).astype(np.float32)
     kc = np.zeros((hkv, 16, hd), np.float32)
     vc = np.zeros((hkv, 16, hd), np.float32)
