@@ -136,6 +136,17 @@ def _attend_heads(q3t, h0, nq, kc, vc, kvh, n, scale, outt):
                 outt[h0 + g, i] += p * vc[kvh, j, i]
 
 
+@njit(nogil=True, inline="always")
+def _head_task(task, nkv, nsub, group):
+    """(token, kv head, first query head, query heads) of attention task `task`: tasks run over (token, kv head,
+    sub-group of up to ATT_HEADS of its group of query heads), nsub sub-groups a kv head."""
+    t = task // (nkv * nsub)
+    r = task - t * nkv * nsub
+    kvh = r // nsub
+    sub = r - kvh * nsub
+    return t, kvh, kvh * group + sub * ATT_HEADS, min(ATT_HEADS, group - sub * ATT_HEADS)
+
+
 @njit(cache=True, parallel=True)
 def attention(q, kc, vc, pos0, scale, out):
     """Causal GQA attention: token t (position pos0+t) of q f32[T, H, hd] sees cache positions 0..pos0+t.
@@ -147,12 +158,8 @@ def attention(q, kc, vc, pos0, scale, out):
     group = nh // nkv
     nsub = (group + ATT_HEADS - 1) // ATT_HEADS
     for task in prange(ntok * nkv * nsub):
-        t = task // (nkv * nsub)
-        r = task - t * nkv * nsub
-        kvh = r // nsub
-        sub = r - kvh * nsub
-        h0 = kvh * group + sub * ATT_HEADS
-        _attend_heads(q[t], h0, min(ATT_HEADS, group - sub * ATT_HEADS), kc, vc, kvh, pos0 + t + 1, scale, out[t])
+        t, kvh, h0, nq = _head_task(task, nkv, nsub, group)
+        _attend_heads(q[t], h0, nq, kc, vc, kvh, pos0 + t + 1, scale, out[t])
 
 
 @njit(cache=True, nogil=True)
@@ -348,12 +355,7 @@ def attention_block(q, k, v, q_norm, k_norm, qk_norm, eps, cos, sin, neox, kc, v
     group = nh // nkv
     nsub = (group + ATT_HEADS - 1) // ATT_HEADS
     for task in prange(ntok * nkv * nsub):
-        t = task // (nkv * nsub)
-        r = task - t * nkv * nsub
-        kvh = r // nsub
-        sub = r - kvh * nsub
-        h0 = kvh * group + sub * ATT_HEADS
-        nq = min(ATT_HEADS, group - sub * ATT_HEADS)
+        t, kvh, h0, nq = _head_task(task, nkv, nsub, group)
         for h in range(h0, h0 + nq):
             qh = q3[t, h]
             if qk_norm == QK_NORM_HEAD:
